@@ -1,0 +1,75 @@
+// Causal / local (sliding window) masking: which key blocks a query block visits (block
+// skipping), which of those need an elementwise mask, and the elementwise mask itself.
+//
+// Query row i (0-based within its sequence) sees key j iff
+//     i + shift - window_left <= j <= i + shift + window_right,  shift = seqlen_k - seqlen_q
+// (bottom-right alignment; a negative window bound means unbounded on that side), and j < seqlen_k.
+// Causal is window_right = 0.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cmath>
+
+namespace flash_ext {
+
+template <int kBlockM, int kBlockN, bool kHasWindow>
+struct BlockMask {
+  int seqlen_q, seqlen_k, window_left, window_right;
+
+  __device__ __forceinline__ BlockMask(int sq, int sk, int wl, int wr)
+      : seqlen_q(sq), seqlen_k(sk), window_left(wl), window_right(wr) {}
+
+  // Key blocks [n_min, n_max) intersect the visible region of query block m_block. Blocks
+  // outside are never loaded nor computed.
+  __device__ __forceinline__ void key_block_range(int m_block, int& n_min, int& n_max) const {
+    n_max = (seqlen_k + kBlockN - 1) / kBlockN;
+    n_min = 0;
+    if constexpr (kHasWindow) {
+      const int shift = seqlen_k - seqlen_q;
+      const int last_row = min((m_block + 1) * kBlockM, seqlen_q) - 1;
+      if (window_right >= 0) {
+        const int last_col = last_row + shift + window_right;  // may be negative
+        n_max = min(n_max, last_col < 0 ? 0 : last_col / kBlockN + 1);
+      }
+      if (window_left >= 0) {
+        const int first_col = m_block * kBlockM + shift - window_left;
+        n_min = max(0, first_col < 0 ? 0 : first_col / kBlockN);
+      }
+    }
+  }
+
+  // True when some element of block (m_block, n_block) is masked: the seqlen_k edge or a window
+  // boundary crosses it. Interior blocks skip the elementwise mask entirely.
+  __device__ __forceinline__ bool needs_mask(int m_block, int n_block) const {
+    if ((n_block + 1) * kBlockN > seqlen_k) return true;
+    if constexpr (kHasWindow) {
+      const int shift = seqlen_k - seqlen_q;
+      const int first_row = m_block * kBlockM, last_row = first_row + kBlockM - 1;
+      const int first_col = n_block * kBlockN, last_col = first_col + kBlockN - 1;
+      if (window_right >= 0 && last_col > first_row + shift + window_right) return true;
+      if (window_left >= 0 && first_col < last_row + shift - window_left) return true;
+    }
+    return false;
+  }
+
+  // Set masked scores to -inf. `scores` is an accumulator fragment and `coords` the matching
+  // partition of an identity tensor over the (kBlockM, kBlockN) tile, giving (row, col).
+  template <typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply(TensorS& scores, const TensorC& coords, int m_block,
+                                        int n_block) const {
+    const int row0 = m_block * kBlockM, col0 = n_block * kBlockN;
+    const int shift = seqlen_k - seqlen_q;
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(scores); ++i) {
+      const int row = row0 + cute::get<0>(coords(i));
+      const int col = col0 + cute::get<1>(coords(i));
+      bool masked = col >= seqlen_k;
+      if constexpr (kHasWindow) {
+        if (window_right >= 0) masked |= col > row + shift + window_right;
+        if (window_left >= 0) masked |= col < row + shift - window_left;
+      }
+      if (masked) scores(i) = -INFINITY;
+    }
+  }
+};
+
+}  // namespace flash_ext

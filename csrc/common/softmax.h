@@ -1,0 +1,77 @@
+// Online softmax with deferred normalization (FlashAttention-2, section 3.1).
+//
+// Per query row we keep the running max m of the scores seen so far and a running sum
+// l = sum exp(s - m). Each new key block rescales l and the output accumulator by
+// exp(m_old - m_new); the division by l happens once, after the last key block.
+// Exponentials are exp2 with log2(e) folded into the scale: exp(x * scale) = exp2(x * scale_log2),
+// so each probability costs one FFMA and one EX2.
+// Rows whose keys are all masked keep m = -inf; they produce l = 0, output 0 and lse = -inf.
+#pragma once
+#include <cmath>
+#include "common/fragment.h"
+
+namespace flash_ext {
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];  // in score units (before scale_log2)
+  float row_sum[kRows];  // partial over this thread's columns; reduced across the quad at the end
+
+  // scores, acc_o: (rows, cols) views of this thread's fragments (see acc_as_rows_cols).
+  // On return scores holds the unnormalized probabilities exp2(s * scale_log2 - m * scale_log2).
+  template <bool kFirstBlock, typename TensorS, typename TensorO>
+  __device__ __forceinline__ void update(TensorS& scores, TensorO& acc_o, float scale_log2) {
+    using namespace cute;
+    static_assert(decltype(size<0>(scores))::value == kRows);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = kFirstBlock ? -INFINITY : row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) m = fmaxf(m, scores(r, c));
+      m = quad_max(m);
+      // A fully masked row so far: subtract 0 instead of -inf so that exp2 gives 0, not NaN.
+      const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
+      if constexpr (!kFirstBlock) {
+        const float correction = exp2f(row_max[r] * scale_log2 - m_scaled);
+        row_sum[r] *= correction;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= correction;
+      }
+      row_max[r] = m;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        const float p = exp2f(scores(r, c) * scale_log2 - m_scaled);
+        scores(r, c) = p;
+        sum += p;
+      }
+      row_sum[r] = kFirstBlock ? sum : row_sum[r] + sum;
+    }
+  }
+
+  // Divides the output by l and returns lse = ln(sum_j exp(s_j * scale)) per row (-inf when the
+  // row saw no key).
+  template <typename TensorO>
+  __device__ __forceinline__ void finalize(TensorO& acc_o, float scale_log2, float (&lse)[kRows]) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const bool empty = !(sum > 0.f);
+      const float inv = empty ? 0.f : 1.f / sum;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= inv;
+      lse[r] = empty ? -INFINITY : (row_max[r] * scale_log2 + __log2f(sum)) * float(M_LN2);
+    }
+  }
+};
+
+// Softcapping (Gemma 2 style, as FlashAttention 2.6): s <- softcap * tanh(s * scale / softcap).
+// The kernel then runs the softmax with scale_log2 = log2(e).
+template <typename TensorS>
+__device__ __forceinline__ void apply_softcap(TensorS& scores, float pre_scale, float softcap) {
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(scores); ++i) scores(i) = softcap * tanhf(scores(i) * pre_scale);
+}
+
+}  // namespace flash_ext

@@ -1,0 +1,264 @@
+// The torch-facing layer: input checks, FwdParams, dispatch by architecture / head dim / dtype,
+// and the torch.library op registrations. The only translation unit that includes torch.
+#include <Python.h>
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+#include "dispatch/fwd_dispatch.h"
+#include "params.h"
+
+#ifndef FLASH_EXT_BUILD_INFO
+#define FLASH_EXT_BUILD_INFO "unknown"
+#endif
+
+// Importing flash_ext._C registers the ops below; the module itself has no Python functions.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+
+namespace flash_ext {
+namespace {
+
+// Head dims with a compiled kernel, ascending. Other sizes run in the next larger kernel, whose
+// loads zero-fill and whose stores skip the columns past the real head dim.
+constexpr int kKernelHeadDims[] = {
+#ifdef FLASH_EXT_HDIM_32
+    32,
+#endif
+#ifdef FLASH_EXT_HDIM_64
+    64,
+#endif
+#ifdef FLASH_EXT_HDIM_96
+    96,
+#endif
+#ifdef FLASH_EXT_HDIM_128
+    128,
+#endif
+#ifdef FLASH_EXT_HDIM_192
+    192,
+#endif
+#ifdef FLASH_EXT_HDIM_256
+    256,
+#endif
+    0};  // sentinel
+
+int kernel_head_dim(int d) {
+  for (int kd : kKernelHeadDims) {
+    if (kd >= d) return kd;
+  }
+  TORCH_CHECK(false, "flash_ext: no kernel for head dim ", d, " in this build (", FLASH_EXT_BUILD_INFO,
+              "); rebuild with FLASH_EXT_HEADDIMS covering it");
+  return 0;
+}
+
+template <bool kIsBf16>
+void run_fwd_sm80_hdim(FwdParams& p, int kd, cudaStream_t stream) {
+  switch (kd) {
+#ifdef FLASH_EXT_HDIM_32
+    case 32: return run_fwd_sm80<32, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_64
+    case 64: return run_fwd_sm80<64, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_96
+    case 96: return run_fwd_sm80<96, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_128
+    case 128: return run_fwd_sm80<128, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_192
+    case 192: return run_fwd_sm80<192, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_256
+    case 256: return run_fwd_sm80<256, kIsBf16>(p, stream);
+#endif
+    default: TORCH_CHECK(false, "flash_ext: no kernel for head dim ", kd);
+  }
+}
+
+void run_fwd(FwdParams& p, cudaStream_t stream) {
+  const int kd = kernel_head_dim(p.head_dim);
+  if (p.is_bf16) {
+#ifdef FLASH_EXT_BF16
+    run_fwd_sm80_hdim<true>(p, kd, stream);
+#else
+    TORCH_CHECK(false, "flash_ext: this build has no bf16 kernels (", FLASH_EXT_BUILD_INFO, ")");
+#endif
+  } else {
+#ifdef FLASH_EXT_FP16
+    run_fwd_sm80_hdim<false>(p, kd, stream);
+#else
+    TORCH_CHECK(false, "flash_ext: this build has no fp16 kernels (", FLASH_EXT_BUILD_INFO, ")");
+#endif
+  }
+}
+
+void check_row_strides(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, "flash_ext: ", name, " must have a contiguous last dimension");
+  for (int i = 0; i < t.dim() - 1; ++i) {
+    TORCH_CHECK(t.stride(i) % 8 == 0, "flash_ext: ", name,
+                " strides must be multiples of 8 elements (16-byte aligned rows); got ", t.strides());
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_ext: ", name,
+              " must be 16-byte aligned");
+}
+
+// Checks the inputs (again: the Python layer gives friendlier messages first) and fills the
+// parameters. Returns the lse tensor to write.
+at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& out, const std::optional<at::Tensor>& cu_seqlens_q,
+                       const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                       int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
+                       int64_t window_right, double softcap) {
+  const bool varlen = cu_seqlens_q.has_value();
+  TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+              "flash_ext: give both cu_seqlens_q and cu_seqlens_k, or neither");
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda(), "flash_ext: tensors must be on a CUDA device");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device(),
+              "flash_ext: q, k, v and out must be on the same device");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "flash_ext: only fp16 and bf16 are supported");
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
+              "flash_ext: q, k, v and out must have the same dtype");
+  const int expect_dim = varlen ? 3 : 4;
+  TORCH_CHECK(q.dim() == expect_dim && k.dim() == expect_dim && v.dim() == expect_dim,
+              "flash_ext: q, k, v must be ", expect_dim, "-D");
+  TORCH_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape");
+  TORCH_CHECK(out.sizes() == q.sizes(), "flash_ext: out must have q's shape");
+  const int d = q.size(-1);
+  TORCH_CHECK(k.size(-1) == d, "flash_ext: q, k, v must have the same head dim");
+  TORCH_CHECK(d % 8 == 0 && d > 0 && d <= 256, "flash_ext: head dim must be a multiple of 8 in [8, 256] at the op level; got ", d);
+  const int hq = q.size(-2), hkv = k.size(-2);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "flash_ext: heads of q (", hq, ") must be a multiple of heads of k/v (", hkv, ")");
+  TORCH_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "flash_ext: softmax_scale must be positive and finite");
+  TORCH_CHECK(softcap >= 0, "flash_ext: softcap must be >= 0");
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, "flash_ext: window sizes must be >= -1");
+  check_row_strides(q, "q");
+  check_row_strides(k, "k");
+  check_row_strides(v, "v");
+  check_row_strides(out, "out");
+
+  p = FwdParams{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.heads_q = hq;
+  p.heads_kv = hkv;
+  p.head_dim = d;
+  p.is_bf16 = dtype == at::kBFloat16;
+  p.softmax_scale = float(softmax_scale);
+  p.softcap = float(softcap);
+  p.softmax_scale_log2 = float(softcap > 0 ? M_LOG2E : softmax_scale * M_LOG2E);
+  if (causal) window_right = 0;
+  p.window_left = int(window_left);
+  p.window_right = int(window_right);
+  p.has_window = window_left >= 0 || window_right >= 0;
+
+  at::Tensor lse;
+  const int r = varlen ? 0 : 1;  // index of the seqlen dim
+  p.q_row_stride = q.stride(r);
+  p.q_head_stride = q.stride(r + 1);
+  p.k_row_stride = k.stride(r);
+  p.k_head_stride = k.stride(r + 1);
+  p.v_row_stride = v.stride(r);
+  p.v_head_stride = v.stride(r + 1);
+  p.o_row_stride = out.stride(r);
+  p.o_head_stride = out.stride(r + 1);
+  if (varlen) {
+    const auto& cq = *cu_seqlens_q;
+    const auto& ck = *cu_seqlens_k;
+    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt, "flash_ext: cu_seqlens must be int32");
+    TORCH_CHECK(cq.dim() == 1 && ck.dim() == 1 && cq.numel() == ck.numel() && cq.numel() >= 1,
+                "flash_ext: cu_seqlens_q and cu_seqlens_k must be 1-D of the same length batch + 1");
+    TORCH_CHECK(cq.device() == q.device() && ck.device() == q.device(), "flash_ext: cu_seqlens must be on q's device");
+    TORCH_CHECK(cq.is_contiguous() && ck.is_contiguous(), "flash_ext: cu_seqlens must be contiguous");
+    TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_ext: max_seqlen must be >= 0");
+    p.batch = cq.numel() - 1;
+    p.seqlen_q = int(max_seqlen_q);
+    p.seqlen_k = int(max_seqlen_k);
+    p.cu_seqlens_q = cq.data_ptr<int>();
+    p.cu_seqlens_k = ck.data_ptr<int>();
+    const int64_t total_q = q.size(0);
+    lse = at::empty({hq, total_q}, q.options().dtype(at::kFloat));
+    p.lse_batch_stride = 0;
+    p.lse_head_stride = total_q;
+  } else {
+    TORCH_CHECK(k.size(0) == q.size(0), "flash_ext: q and k/v must have the same batch size");
+    p.batch = q.size(0);
+    p.seqlen_q = q.size(1);
+    p.seqlen_k = k.size(1);
+    p.q_batch_stride = q.stride(0);
+    p.k_batch_stride = k.stride(0);
+    p.v_batch_stride = v.stride(0);
+    p.o_batch_stride = out.stride(0);
+    lse = at::empty({p.batch, hq, p.seqlen_q}, q.options().dtype(at::kFloat));
+    p.lse_batch_stride = int64_t(hq) * p.seqlen_q;
+    p.lse_head_stride = p.seqlen_q;
+  }
+  TORCH_CHECK(p.batch <= 65535 && hq <= 65535, "flash_ext: batch and heads must be <= 65535");
+  p.lse = lse.data_ptr<float>();
+  return lse;
+}
+
+void launch(FwdParams& p, const at::Tensor& q) {
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+  run_fwd(p, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const std::optional<at::Tensor>& cu_seqlens_q,
+                                       const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                                       int64_t max_seqlen_k, double softmax_scale, bool causal,
+                                       int64_t window_left, int64_t window_right, double softcap) {
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  FwdParams p;
+  at::Tensor lse = prepare_fwd(p, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal, window_left, window_right, softcap);
+  launch(p, q);
+  return {out, lse};
+}
+
+at::Tensor fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                   const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+                   int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
+                   int64_t window_left, int64_t window_right, double softcap) {
+  FwdParams p;
+  at::Tensor lse = prepare_fwd(p, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal, window_left, window_right, softcap);
+  launch(p, q);
+  return lse;
+}
+
+std::string build_info() { return FLASH_EXT_BUILD_INFO; }
+
+}  // namespace
+}  // namespace flash_ext
+
+TORCH_LIBRARY(flash_ext, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
+      "float softcap) -> (Tensor, Tensor)");
+  m.def(
+      "fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, "
+      "int window_right, float softcap) -> Tensor");
+  m.def("build_info() -> str", &flash_ext::build_info);
+}
+
+TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {
+  m.impl("fwd", &flash_ext::fwd);
+  m.impl("fwd_out", &flash_ext::fwd_out);
+}

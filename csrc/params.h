@@ -1,0 +1,47 @@
+// Plain parameter structs shared by the torch-facing layer (flash_api.cpp) and the kernels.
+// No torch or CUTLASS types here: kernel translation units include this file only.
+#pragma once
+#include <cstdint>
+
+namespace flash_ext {
+
+struct FwdParams {
+  // Tensors, laid out (batch, seqlen, heads, headdim) or, for varlen, (total_tokens, heads, headdim).
+  // The last dimension is contiguous; every other stride is honoured (in elements).
+  const void* __restrict__ q;
+  const void* __restrict__ k;
+  const void* __restrict__ v;
+  void* __restrict__ o;
+  float* __restrict__ lse;  // (batch, heads, seqlen_q) or varlen (heads, total_q); natural log
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  // lse element (b, h, row) is at lse[b * lse_batch_stride + h * lse_head_stride + row] when not
+  // varlen; for varlen the batch offset is cu_seqlens_q[b] instead.
+  int64_t lse_batch_stride, lse_head_stride;
+
+  int batch;
+  int heads_q, heads_kv;  // heads_q % heads_kv == 0 (MQA/GQA: kv head = q head / (heads_q / heads_kv))
+  int seqlen_q, seqlen_k;  // non-varlen sizes; for varlen, the max sizes (grid extent)
+  int head_dim;            // actual head dim (multiple of 8, <= the kernel's kHeadDim)
+
+  // varlen: sequence b has rows [cu_seqlens_q[b], cu_seqlens_q[b+1]); nullptr when not varlen.
+  const int* __restrict__ cu_seqlens_q;
+  const int* __restrict__ cu_seqlens_k;
+
+  float softmax_scale;       // usually 1/sqrt(head_dim)
+  float softmax_scale_log2;  // softmax_scale * log2(e), or softcap-adjusted (see common/softmax.h)
+  float softcap;             // 0 = off; else S = softcap * tanh(S * softmax_scale / softcap)
+
+  // Local (sliding-window) attention: query row i (aligned bottom-right, i.e. shifted by
+  // seqlen_k - seqlen_q) sees keys in [i - window_left, i + window_right]; -1 = unbounded.
+  // Causal is window_right = 0. has_window selects the masked kernel variant.
+  int window_left, window_right;
+  bool has_window;
+
+  bool is_bf16;
+};
+
+}  // namespace flash_ext
