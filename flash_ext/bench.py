@@ -1,0 +1,414 @@
+"""Attention throughput, flash_ext against PyTorch SDPA, side by side in one process.
+
+    python -m flash_ext.bench                 # full sweep
+    python -m flash_ext.bench --quick         # bf16, seqlens 1k/4k/16k: well under 2 minutes
+    python -m flash_ext.bench --dtypes fp16 --hdims 128 --seqlens 2048,8192 --causal true
+
+Backends: flash_ext.attn_fwd; torch.nn.functional.scaled_dot_product_attention restricted (with
+torch.nn.attention.sdpa_kernel) to FLASH_ATTENTION and to CUDNN_ATTENTION. All three read the
+same (batch, seqlen, heads, headdim) tensors; SDPA gets (batch, heads, seqlen, headdim)
+transposed views of them. Shapes: batch = 16384 // seqlen, heads = 2048 // headdim (16k
+tokens of model width 2048 per config). A backend that rejects a shape is recorded as None.
+
+Metric: FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * headdim (two matmuls), halved for
+causal; TFLOP/s = FLOPs / median time. Times: CUDA events around each call, after warmup, median
+of --reps calls. The L2 cache is not flushed between calls: every config moves at least 3 x 64
+MiB of q, k, v, several times the L2, so a warm cache changes little.
+
+Memory: "extra MiB" is the peak memory allocated during one flash_ext call minus what was
+allocated before it and minus the bytes of its outputs (out and lse): workspace the kernel needs
+beyond its inputs and outputs (0 for a kernel that allocates nothing N x N).
+
+Outputs: a table on stdout, and in --out (default bench_out/): bench_fwd.json (GPU, torch
+version, date, rows) and bench_fwd.png (needs matplotlib; skipped with a message otherwise).
+
+The code is organised by "direction" (only "fwd" today): a direction is a FLOP count factor plus
+one callable per backend; adding "bwd" means adding entries to DIRECTIONS and BACKENDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+TOKENS = 16384  # batch * seqlen of every config
+MODEL_DIM = 2048  # heads * headdim of every config
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_HDIMS = (64, 128, 256)
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_SEQLENS = (1024, 4096, 16384)
+
+# FLOPs of one call relative to the forward pass (the papers' convention: backward = 2.5 x fwd).
+DIRECTIONS = {"fwd": 1.0}
+
+BACKEND_NAMES = ("flash_ext", "sdpa_flash", "sdpa_cudnn")
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics (pure Python, CPU-testable)
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, headdim: int,
+                    causal: bool, direction: str = "fwd") -> float:
+    """FLOPs of one attention call: 4 * b * h * sq * sk * d (QK^T and PV, 2 FLOPs per
+    multiply-add), halved for causal, times the direction's factor (fwd 1)."""
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * headdim
+    if causal:
+        flops /= 2
+    return flops * DIRECTIONS[direction]
+
+
+def tflops_per_s(flops: float, ms: Optional[float]) -> Optional[float]:
+    """FLOPs / (ms milliseconds) in TFLOP/s; None when the time is missing or not positive."""
+    if ms is None or not ms > 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """a / b, or None when either is missing or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+@dataclass(frozen=True)
+class Config:
+    """One benchmark shape."""
+
+    dtype: str
+    headdim: int
+    seqlen: int
+    causal: bool
+    direction: str = "fwd"
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOKENS // self.seqlen)
+
+    @property
+    def heads(self) -> int:
+        return max(1, MODEL_DIM // self.headdim)
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.headdim,
+                               self.causal, self.direction)
+
+    @property
+    def name(self) -> str:
+        c = "causal" if self.causal else "full"
+        return (f"{self.direction} {self.dtype} d={self.headdim} s={self.seqlen} "
+                f"b={self.batch} h={self.heads} {c}")
+
+
+def make_configs(dtypes: Sequence[str], hdims: Sequence[int], seqlens: Sequence[int],
+                 causal_modes: Sequence[bool], directions: Sequence[str] = ("fwd",)
+                 ) -> list[Config]:
+    """Every combination, in a stable order (direction, dtype, causal, headdim, seqlen)."""
+    return [Config(dt, d, s, c, direction)
+            for direction in directions for dt in dtypes for c in causal_modes
+            for d in hdims for s in seqlens]
+
+
+@dataclass
+class Row:
+    """Results of one config: TFLOP/s per backend (None = unsupported / failed)."""
+
+    config: str
+    dtype: str
+    headdim: int
+    seqlen: int
+    batch: int
+    heads: int
+    causal: bool
+    direction: str
+    tflops: dict = field(default_factory=dict)  # backend name -> TFLOP/s or None
+    ms: dict = field(default_factory=dict)  # backend name -> median ms or None
+    extra_mib: Optional[float] = None  # flash_ext workspace beyond inputs and outputs
+    errors: dict = field(default_factory=dict)  # backend name -> error message
+
+    @property
+    def ratio_flash(self) -> Optional[float]:
+        return ratio(self.tflops.get("flash_ext"), self.tflops.get("sdpa_flash"))
+
+    @property
+    def ratio_cudnn(self) -> Optional[float]:
+        return ratio(self.tflops.get("flash_ext"), self.tflops.get("sdpa_cudnn"))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["ratio_ext_over_flash"] = self.ratio_flash
+        d["ratio_ext_over_cudnn"] = self.ratio_cudnn
+        return d
+
+
+TABLE_COLUMNS = ("config", "flash_ext", "sdpa_flash", "sdpa_cudnn", "ext/flash", "ext/cudnn",
+                 "extra MiB")
+
+
+def _fmt(x: Optional[float], digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """A fixed-width text table: TFLOP/s per backend, ratios, extra memory."""
+    body = [(r.config, _fmt(r.tflops.get("flash_ext")), _fmt(r.tflops.get("sdpa_flash")),
+             _fmt(r.tflops.get("sdpa_cudnn")), _fmt(r.ratio_flash, 2), _fmt(r.ratio_cudnn, 2),
+             _fmt(r.extra_mib, 1)) for r in rows]
+    widths = [max(len(h), *(len(line[i]) for line in body)) if body else len(h)
+              for i, h in enumerate(TABLE_COLUMNS)]
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [line(TABLE_COLUMNS), "  ".join("-" * w for w in widths)]
+    out += [line(cells) for cells in body]
+    return "\n".join(out)
+
+
+def _parse_int_list(text: str) -> list[int]:
+    vals = []
+    for tok in text.replace(";", ",").split(","):
+        tok = tok.strip().lower()
+        if not tok:
+            continue
+        mult = 1
+        if tok.endswith("k"):
+            tok, mult = tok[:-1], 1024
+        vals.append(int(tok) * mult)
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}")
+    return vals
+
+
+def _parse_dtypes(text: str) -> list[str]:
+    vals = [t.strip().lower() for t in text.split(",") if t.strip()]
+    for v in vals:
+        if v not in DTYPES:
+            raise argparse.ArgumentTypeError(f"unknown dtype {v!r}; choose from bf16, fp16")
+    return vals
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m flash_ext.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="bf16 only, seqlens 1k,4k,16k, fewer reps (well under 2 minutes on an H100)")
+    p.add_argument("--dtypes", type=_parse_dtypes, default=None, help="e.g. bf16,fp16")
+    p.add_argument("--hdims", type=_parse_int_list, default=None, help="e.g. 64,128,256")
+    p.add_argument("--seqlens", type=_parse_int_list, default=None, help="e.g. 1k,4096,16k")
+    p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument("--reps", type=int, default=None, help="timed calls per backend (median)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first")
+    p.add_argument("--out", default="bench_out", help="directory for the JSON and PNG")
+    args = p.parse_args(argv)
+    if args.dtypes is None:
+        args.dtypes = ["bf16"] if args.quick else ["bf16", "fp16"]
+    if args.hdims is None:
+        args.hdims = list(DEFAULT_HDIMS)
+    if args.seqlens is None:
+        args.seqlens = list(QUICK_SEQLENS if args.quick else DEFAULT_SEQLENS)
+    if args.reps is None:
+        args.reps = 10 if args.quick else 30
+    if args.warmup is None:
+        args.warmup = 3 if args.quick else 10
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    args.causal_modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends and timing (GPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sdpa_fn(q, k, v, causal: bool, backend) -> Callable[[], object]:
+    from torch.nn.attention import sdpa_kernel
+    import torch.nn.functional as F
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def run():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    return run
+
+
+def make_backend_fn(name: str, direction: str, q, k, v, causal: bool) -> Callable[[], object]:
+    """A zero-argument callable running one backend on (b, s, h, d) tensors q, k, v."""
+    if direction != "fwd":
+        raise ValueError(f"direction {direction!r} is not benchmarked yet")
+    if name == "flash_ext":
+        import flash_ext
+        return lambda: flash_ext.attn_fwd(q, k, v, causal=causal)
+    from torch.nn.attention import SDPBackend
+    if name == "sdpa_flash":
+        return _sdpa_fn(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
+    if name == "sdpa_cudnn":
+        return _sdpa_fn(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
+    raise ValueError(f"unknown backend {name!r}")
+
+
+def time_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
+    """Median milliseconds of ``reps`` calls (each between two CUDA events) after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+def extra_memory_mib(fn: Callable[[], object]) -> float:
+    """Peak memory allocated during one call, minus memory allocated before it and minus the
+    bytes of what it returns, in MiB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    extra = peak - before - _tensor_bytes(result)
+    del result
+    return extra / 2**20
+
+
+def run_config(cfg: Config, reps: int, warmup: int, device="cuda") -> Row:
+    torch.manual_seed(0)
+    dtype = DTYPES[cfg.dtype]
+    shape = (cfg.batch, cfg.seqlen, cfg.heads, cfg.headdim)
+    q, k, v = (torch.randn(shape, dtype=dtype, device=device) for _ in range(3))
+    row = Row(cfg.name, cfg.dtype, cfg.headdim, cfg.seqlen, cfg.batch, cfg.heads, cfg.causal,
+              cfg.direction)
+    for name in BACKEND_NAMES:
+        try:
+            fn = make_backend_fn(name, cfg.direction, q, k, v, cfg.causal)
+            ms = time_ms(fn, reps, warmup)
+            row.ms[name] = ms
+            row.tflops[name] = tflops_per_s(cfg.flops, ms)
+            if name == "flash_ext":
+                row.extra_mib = extra_memory_mib(fn)
+        except Exception as e:  # a peer (or flash_ext) rejecting a shape is data, not a crash
+            row.ms[name] = None
+            row.tflops[name] = None
+            row.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            torch.cuda.synchronize()
+    del q, k, v
+    return row
+
+
+def write_json(path: str, rows: Sequence[Row], args: argparse.Namespace) -> None:
+    meta = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "flops_convention": "4*b*h*sq*sk*d, halved for causal",
+        "args": {k: v for k, v in vars(args).items() if k != "causal_modes"},
+        "rows": [r.to_json() for r in rows],
+    }
+    try:
+        import flash_ext
+        meta["flash_ext"] = {"version": flash_ext.__version__, "build_info": flash_ext.build_info()}
+    except Exception as e:  # pragma: no cover
+        meta["flash_ext"] = {"error": str(e)}
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def write_plot(path: str, rows: Sequence[Row]) -> bool:
+    """One panel per (direction, dtype, causal, headdim): TFLOP/s vs seqlen per backend.
+    Returns False (after printing a message) when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; skipping the plot (pip install matplotlib)")
+        return False
+    panels: dict = {}
+    for r in rows:
+        panels.setdefault((r.direction, r.dtype, r.causal, r.headdim), []).append(r)
+    keys = sorted(panels, key=lambda t: (t[0], t[1], t[2], t[3]))
+    ncols = min(3, len(keys)) or 1
+    nrows = max(1, math.ceil(len(keys) / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        rs = sorted(panels[key], key=lambda r: r.seqlen)
+        for name in BACKEND_NAMES:
+            pts = [(r.seqlen, r.tflops.get(name)) for r in rs if r.tflops.get(name) is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        direction, dtype, causal, hd = key
+        ax.set_title(f"{direction} {dtype} d={hd} {'causal' if causal else 'full'}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    fig.suptitle(f"flash_ext vs SDPA ({gpu}, torch {torch.__version__})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flash_ext.bench needs a CUDA GPU (none found)", file=sys.stderr)
+        return 2
+    configs = make_configs(args.dtypes, args.hdims, args.seqlens, args.causal_modes)
+    print(f"{len(configs)} configs on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"median of {args.reps} calls after {args.warmup} warmup")
+    rows = []
+    for cfg in configs:
+        row = run_config(cfg, args.reps, args.warmup)
+        rows.append(row)
+        print(f"  {cfg.name}: " + ", ".join(f"{n} {_fmt(row.tflops.get(n))}" for n in BACKEND_NAMES),
+              flush=True)
+    print()
+    print(format_table(rows))
+    errors = [(r.config, n, e) for r in rows for n, e in r.errors.items()]
+    if errors:
+        print("\nbackends that failed (recorded as None):")
+        for cfg_name, n, e in errors:
+            print(f"  {cfg_name} [{n}]: {e}")
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "bench_fwd.json")
+    write_json(json_path, rows, args)
+    print(f"\nwrote {json_path}")
+    png_path = os.path.join(args.out, "bench_fwd.png")
+    if write_plot(png_path, rows):
+        print(f"wrote {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

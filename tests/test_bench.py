@@ -1,0 +1,87 @@
+"""The benchmark's metric and formatting code (CPU only; the timing itself needs a GPU)."""
+
+import json
+
+import pytest
+
+from flash_ext import bench
+
+
+def test_flops():
+    assert bench.attention_flops(1, 1, 1, 1, 1, causal=False) == 4
+    assert bench.attention_flops(2, 16, 1024, 1024, 128, causal=False) == 4 * 2 * 16 * 1024 * 1024 * 128
+    assert bench.attention_flops(2, 16, 1024, 1024, 128, causal=True) == 2 * 2 * 16 * 1024 * 1024 * 128
+    with pytest.raises(KeyError):
+        bench.attention_flops(1, 1, 1, 1, 1, False, direction="sideways")
+
+
+def test_tflops_and_ratio():
+    assert bench.tflops_per_s(1e12, 1000.0) == pytest.approx(1.0)
+    assert bench.tflops_per_s(5e12, 10.0) == pytest.approx(500.0)
+    assert bench.tflops_per_s(1e12, None) is None and bench.tflops_per_s(1e12, 0.0) is None
+    assert bench.ratio(3.0, 2.0) == 1.5
+    assert bench.ratio(None, 2.0) is None and bench.ratio(1.0, None) is None
+    assert bench.ratio(1.0, 0.0) is None
+
+
+def test_config_shapes():
+    c = bench.Config("bf16", 128, 4096, True)
+    assert (c.batch, c.heads) == (4, 16)
+    assert c.flops == 4 * 4 * 16 * 4096 * 4096 * 128 / 2
+    assert "bf16" in c.name and "d=128" in c.name and "causal" in c.name
+    assert bench.Config("fp16", 64, 16384, False).batch == 1
+
+
+def test_make_configs():
+    cfgs = bench.make_configs(["bf16", "fp16"], [64, 128], [1024, 2048], [False, True])
+    assert len(cfgs) == 16 and len(set(cfgs)) == 16
+    assert {c.direction for c in cfgs} == {"fwd"}
+
+
+def test_parse_args_quick_and_lists():
+    a = bench.parse_args(["--quick"])
+    assert a.dtypes == ["bf16"] and a.seqlens == [1024, 4096, 16384] and a.hdims == [64, 128, 256]
+    assert a.causal_modes == [False, True] and a.reps <= 10
+    a = bench.parse_args(["--dtypes", "fp16", "--seqlens", "1k,8192", "--hdims", "64",
+                          "--causal", "true", "--reps", "7", "--out", "x"])
+    assert a.dtypes == ["fp16"] and a.seqlens == [1024, 8192] and a.hdims == [64]
+    assert a.causal_modes == [True] and a.reps == 7 and a.out == "x"
+    a = bench.parse_args([])
+    assert a.dtypes == ["bf16", "fp16"] and a.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dtypes", "fp32"])
+
+
+def test_format_table_and_json():
+    r1 = bench.Row("fwd bf16 d=128 s=4096", "bf16", 128, 4096, 4, 16, False, "fwd",
+                   tflops={"flash_ext": 400.0, "sdpa_flash": 320.0, "sdpa_cudnn": None},
+                   extra_mib=0.0)
+    r2 = bench.Row("fwd bf16 d=256 s=4096", "bf16", 256, 4096, 4, 8, True, "fwd",
+                   tflops={"flash_ext": 300.0, "sdpa_flash": 300.0, "sdpa_cudnn": 600.0})
+    text = bench.format_table([r1, r2])
+    lines = text.splitlines()
+    assert len(lines) == 4
+    for col in bench.TABLE_COLUMNS:
+        assert col in lines[0]
+    assert "400.0" in lines[2] and "1.25" in lines[2] and lines[2].split()[-2] == "-"
+    assert "0.50" in lines[3] and "1.00" in lines[3]
+    j = r1.to_json()
+    assert j["ratio_ext_over_flash"] == pytest.approx(1.25) and j["ratio_ext_over_cudnn"] is None
+    json.dumps(j)
+    assert bench.format_table([]).count("\n") == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU path")
+def test_main_without_gpu_exits_cleanly(tmp_path, capsys):
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_write_plot_or_skip(tmp_path, capsys):
+    row = bench.Row("fwd bf16 d=64 s=1024", "bf16", 64, 1024, 16, 32, False, "fwd",
+                    tflops={"flash_ext": 100.0, "sdpa_flash": 90.0, "sdpa_cudnn": None})
+    path = tmp_path / "p.png"
+    if bench.write_plot(str(path), [row]):
+        assert path.stat().st_size > 0
+    else:
+        assert "matplotlib is not installed" in capsys.readouterr().out

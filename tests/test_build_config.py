@@ -1,0 +1,98 @@
+"""Build knob parsing in tools/build_config.py (pure Python, CPU only)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+import build_config as bc  # noqa: E402
+
+
+def names(archs):
+    return [str(a) for a in archs]
+
+
+def test_archs_basic_gencode():
+    archs = bc.parse_archs("80;90a")
+    assert [a.name for a in archs] == ["80", "90a"]
+    assert bc.gencode_flags(archs) == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90a,code=sm_90a",
+    ]
+
+
+def test_archs_ptx_adds_compute_code():
+    flags = bc.gencode_flags(bc.parse_archs("80+PTX"))
+    assert flags == ["-gencode=arch=compute_80,code=sm_80",
+                     "-gencode=arch=compute_80,code=compute_80"]
+
+
+@pytest.mark.parametrize("spelling", ["sm_86", "8.6", "compute_86", " 86 "])
+def test_archs_spellings(spelling):
+    assert names(bc.parse_archs(spelling)) == ["86"]
+
+
+def test_archs_separators_dedup_and_sort():
+    assert names(bc.parse_archs("90a, 80 ;86;80+PTX")) == ["80+PTX", "86", "90a"]
+
+
+def test_archs_default():
+    assert names(bc.parse_archs(None)) == names(bc.parse_archs("")) == ["80+PTX", "90a"]
+
+
+@pytest.mark.parametrize("bad", ["75", "70;80", "91", "sm_xx", "90a+PTX", "abc"])
+def test_bad_arch_raises(bad):
+    with pytest.raises(bc.BuildConfigError, match="FLASH_EXT_ARCHS"):
+        bc.parse_archs(bad)
+    assert issubclass(bc.BuildConfigError, ValueError)
+
+
+def test_headdims_narrowing():
+    assert bc.parse_headdims("128,64") == [64, 128]
+    assert bc.parse_headdims("64;64") == [64]
+    assert bc.parse_headdims(None) == bc.parse_headdims("all") == [32, 64, 96, 128, 192, 256]
+
+
+@pytest.mark.parametrize("bad", ["80", "0", "x", "64,300"])
+def test_headdims_bad(bad):
+    with pytest.raises(bc.BuildConfigError, match="FLASH_EXT_HEADDIMS"):
+        bc.parse_headdims(bad)
+
+
+def test_dtypes():
+    assert bc.parse_dtypes("bf16") == ["bf16"]
+    assert bc.parse_dtypes("bfloat16,half") == ["fp16", "bf16"]
+    assert bc.parse_dtypes(None) == ["fp16", "bf16"]
+    with pytest.raises(bc.BuildConfigError, match="FLASH_EXT_DTYPES"):
+        bc.parse_dtypes("fp32")
+
+
+def test_from_env_and_instantiations():
+    cfg = bc.BuildConfig.from_env({"FLASH_EXT_ARCHS": "90a", "FLASH_EXT_HEADDIMS": "64,128",
+                                   "FLASH_EXT_DTYPES": "bf16"})
+    assert names(cfg.archs) == ["90a"] and cfg.headdims == [64, 128] and cfg.dtypes == ["bf16"]
+    files = bc.instantiation_files(cfg)
+    # The forward family is always there; other families (bwd, ...) follow the same narrowing.
+    assert "fwd_sm80_hdim64_bf16.cu" in files and "fwd_sm80_hdim128_bf16.cu" in files
+    assert len(files) == len(set(files))
+    for f in files:
+        assert f.endswith("_bf16.cu") and ("_hdim64_" in f or "_hdim128_" in f), f
+    narrower = bc.BuildConfig.from_env({"FLASH_EXT_ARCHS": "90a", "FLASH_EXT_HEADDIMS": "64",
+                                        "FLASH_EXT_DTYPES": "bf16"})
+    assert len(bc.instantiation_files(narrower)) * 2 == len(files)
+    info = bc.build_info(cfg)
+    assert info == "archs=90a hdims=64,128 dtypes=bf16"
+    defs = bc.macro_defines(cfg)
+    assert "-DFLASH_EXT_HDIM_64" in defs and "-DFLASH_EXT_BF16" in defs
+    assert "-DFLASH_EXT_FP16" not in defs and "-DFLASH_EXT_SM90A" in defs
+
+
+def test_bool_and_int_knobs():
+    assert bc.parse_bool("X", None) is False and bc.parse_bool("X", "1") is True
+    with pytest.raises(bc.BuildConfigError):
+        bc.parse_bool("X", "maybe")
+    assert bc.parse_positive_int("N", "4") == 4 and bc.parse_positive_int("N", "") is None
+    with pytest.raises(bc.BuildConfigError):
+        bc.parse_positive_int("N", "0")
