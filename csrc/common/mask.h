@@ -51,23 +51,29 @@ struct BlockMask {
     return false;
   }
 
-  // Set masked scores to -inf. `scores` is an accumulator fragment and `coords` the matching
-  // partition of an identity tensor over the (kBlockM, kBlockN) tile, giving (row, col).
+  // Set masked scores to -inf. `scores` is a (rows, cols) view of an accumulator fragment and
+  // `coords` the same view of an identity tensor over the (kBlockM, kBlockN) tile, giving each
+  // element's (row, col) in the tile. The visible key range is computed once per row.
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply(TensorS& scores, const TensorC& coords, int m_block,
                                         int n_block) const {
-    const int row0 = m_block * kBlockM, col0 = n_block * kBlockN;
-    const int shift = seqlen_k - seqlen_q;
+    using namespace cute;
+    const int col0 = n_block * kBlockN;
     CUTE_UNROLL
-    for (int i = 0; i < cute::size(scores); ++i) {
-      const int row = row0 + cute::get<0>(coords(i));
-      const int col = col0 + cute::get<1>(coords(i));
-      bool masked = col >= seqlen_k;
+    for (int r = 0; r < size<0>(scores); ++r) {
+      int col_end = seqlen_k - col0;  // first masked column (tile coordinates), exclusive bound
+      int col_begin = 0;              // first visible column
       if constexpr (kHasWindow) {
-        if (window_right >= 0) masked |= col > row + shift + window_right;
-        if (window_left >= 0) masked |= col < row + shift - window_left;
+        const int row = m_block * kBlockM + get<0>(coords(r, 0));
+        const int diag = row + seqlen_k - seqlen_q - col0;
+        if (window_right >= 0) col_end = min(col_end, diag + window_right + 1);
+        if (window_left >= 0) col_begin = diag - window_left;
       }
-      if (masked) scores(i) = -INFINITY;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        const int col = get<1>(coords(0, c));
+        if (col >= col_end || col < col_begin) scores(r, c) = -INFINITY;
+      }
     }
   }
 };

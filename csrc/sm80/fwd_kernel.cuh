@@ -90,6 +90,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
   Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rows = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
 
   auto s2r_q = make_tiled_copy_A(typename Traits::S2RCopyQK{}, mma);
   auto s2r_k = make_tiled_copy_B(typename Traits::S2RCopyQK{}, mma);
@@ -124,7 +125,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
     gemm_ss(mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, s2r_q, s2r_k, tid);
     if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
-    if (mask.needs_mask(m_block, n_block)) mask.apply(acc_s, cS, m_block, n_block);
+    Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
+    if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] landed; every warp is done reading K
@@ -134,7 +136,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       cp_async_fence();
     }
 
-    Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
     softmax.template update<kFirst>(scores, o_rows, scale_log2);
 
     Tensor rP = make_tensor_like<Element>(acc_s);
