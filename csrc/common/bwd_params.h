@@ -1,0 +1,39 @@
+// Parameters of the backward pass: the forward's fields (q, k, v, o, lse, strides, seqlens,
+// scale, softcap, window) plus the gradients and the fp32 work buffers. Plain struct, no torch
+// or CUTLASS types. Filled by csrc/flash_bwd_api.cpp; see docs/kernels-sm80-bwd.md.
+#pragma once
+#include <cstdint>
+
+#include "params.h"
+
+namespace flash_ext {
+
+struct BwdParams : FwdParams {
+  // dO, laid out like o (batch, seqlen_q, heads_q, head_dim) or varlen (total_q, heads_q, head_dim).
+  const void* __restrict__ dout;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+
+  // D = rowsum(dO * O) in fp32, same layout and strides as lse (written by the preprocess kernel).
+  float* __restrict__ dsum;
+
+  // fp32 dQ accumulator (batch, seqlen_q, heads_q, head_dim) or varlen (total_q, heads_q, head_dim),
+  // zero-initialized by the caller. Atomic mode (dq_split_stride == 0): every key block adds its
+  // contribution with fp32 atomics. Deterministic mode: key block n writes its contribution with
+  // plain stores into slice n (at dq_accum + n * dq_split_stride); the caller sums the slices.
+  // Already multiplied by softmax_scale.
+  float* __restrict__ dq_accum;
+  int64_t dqa_batch_stride, dqa_row_stride, dqa_head_stride;
+  int64_t dq_split_stride;
+
+  // dK and dV in the input dtype, indexed by the *query* head: (batch, seqlen_k, heads_q, head_dim)
+  // or varlen (total_k, heads_q, head_dim). With heads_q == heads_kv these are the final gradients;
+  // for GQA/MQA they are expanded buffers that the caller sums over each group of query heads.
+  void* __restrict__ dk;
+  void* __restrict__ dv;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+
+  bool deterministic;
+};
+
+}  // namespace flash_ext

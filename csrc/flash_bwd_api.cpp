@@ -1,0 +1,293 @@
+// The torch-facing layer of the backward pass: input checks, BwdParams, work buffers,
+// dispatch by head dim / dtype, and the flash_ext::bwd op registration.
+// See docs/kernels-sm80-bwd.md for the buffers (dQ accumulator, GQA expansion, deterministic
+// mode) and their memory cost.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include "common/bwd_params.h"
+#include "dispatch/bwd_dispatch.h"
+
+#ifndef FLASH_EXT_BUILD_INFO
+#define FLASH_EXT_BUILD_INFO "unknown"
+#endif
+
+namespace flash_ext {
+namespace {
+
+// Head dims with a compiled kernel, ascending (the same list as the forward's).
+constexpr int kBwdKernelHeadDims[] = {
+#ifdef FLASH_EXT_HDIM_32
+    32,
+#endif
+#ifdef FLASH_EXT_HDIM_64
+    64,
+#endif
+#ifdef FLASH_EXT_HDIM_96
+    96,
+#endif
+#ifdef FLASH_EXT_HDIM_128
+    128,
+#endif
+#ifdef FLASH_EXT_HDIM_192
+    192,
+#endif
+#ifdef FLASH_EXT_HDIM_256
+    256,
+#endif
+    0};  // sentinel
+
+int bwd_kernel_head_dim(int d) {
+  for (int kd : kBwdKernelHeadDims) {
+    if (kd >= d) return kd;
+  }
+  TORCH_CHECK(false, "flash_ext: no backward kernel for head dim ", d, " in this build (",
+              FLASH_EXT_BUILD_INFO, "); rebuild with FLASH_EXT_HEADDIMS covering it");
+  return 0;
+}
+
+template <bool kIsBf16>
+void run_bwd_sm80_hdim(BwdParams& p, int kd, cudaStream_t stream) {
+  switch (kd) {
+#ifdef FLASH_EXT_HDIM_32
+    case 32: return run_bwd_sm80<32, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_64
+    case 64: return run_bwd_sm80<64, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_96
+    case 96: return run_bwd_sm80<96, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_128
+    case 128: return run_bwd_sm80<128, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_192
+    case 192: return run_bwd_sm80<192, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_256
+    case 256: return run_bwd_sm80<256, kIsBf16>(p, stream);
+#endif
+    default: TORCH_CHECK(false, "flash_ext: no backward kernel for head dim ", kd);
+  }
+}
+
+void run_bwd(BwdParams& p, int kd, cudaStream_t stream) {
+  if (p.is_bf16) {
+#ifdef FLASH_EXT_BF16
+    run_bwd_sm80_hdim<true>(p, kd, stream);
+#else
+    TORCH_CHECK(false, "flash_ext: this build has no bf16 kernels (", FLASH_EXT_BUILD_INFO, ")");
+#endif
+  } else {
+#ifdef FLASH_EXT_FP16
+    run_bwd_sm80_hdim<false>(p, kd, stream);
+#else
+    TORCH_CHECK(false, "flash_ext: this build has no fp16 kernels (", FLASH_EXT_BUILD_INFO, ")");
+#endif
+  }
+}
+
+void check_rows_aligned(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, "flash_ext: ", name, " must have a contiguous last dimension");
+  for (int i = 0; i < t.dim() - 1; ++i) {
+    TORCH_CHECK(t.stride(i) % 8 == 0, "flash_ext: ", name,
+                " strides must be multiples of 8 elements (16-byte aligned rows); got ", t.strides());
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_ext: ", name,
+              " must be 16-byte aligned");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse_in, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+    bool deterministic) {
+  const bool varlen = cu_seqlens_q.has_value();
+  TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+              "flash_ext: give both cu_seqlens_q and cu_seqlens_k, or neither");
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && dout.is_cuda() && lse_in.is_cuda(),
+              "flash_ext: tensors must be on a CUDA device");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
+                  dout.device() == q.device() && lse_in.device() == q.device(),
+              "flash_ext: dout, q, k, v, out and lse must be on the same device");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "flash_ext: only fp16 and bf16 are supported");
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype &&
+                  dout.scalar_type() == dtype,
+              "flash_ext: q, k, v, out and dout must have the same dtype");
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat, "flash_ext: lse must be float32");
+  const int expect_dim = varlen ? 3 : 4;
+  TORCH_CHECK(q.dim() == expect_dim && k.dim() == expect_dim && v.dim() == expect_dim,
+              "flash_ext: q, k, v must be ", expect_dim, "-D");
+  TORCH_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape");
+  TORCH_CHECK(out.sizes() == q.sizes(), "flash_ext: out must have q's shape");
+  TORCH_CHECK(dout.sizes() == q.sizes(), "flash_ext: dout must have q's shape");
+  const int d = q.size(-1);
+  TORCH_CHECK(k.size(-1) == d, "flash_ext: q, k, v must have the same head dim");
+  TORCH_CHECK(d % 8 == 0 && d > 0 && d <= 256,
+              "flash_ext: head dim must be a multiple of 8 in [8, 256] at the op level; got ", d);
+  const int hq = q.size(-2), hkv = k.size(-2);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "flash_ext: heads of q (", hq,
+              ") must be a multiple of heads of k/v (", hkv, ")");
+  TORCH_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "flash_ext: softmax_scale must be positive and finite");
+  TORCH_CHECK(softcap >= 0, "flash_ext: softcap must be >= 0");
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, "flash_ext: window sizes must be >= -1");
+  check_rows_aligned(q, "q");
+  check_rows_aligned(k, "k");
+  check_rows_aligned(v, "v");
+  check_rows_aligned(out, "out");
+  check_rows_aligned(dout, "dout");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int kd = bwd_kernel_head_dim(d);
+  const at::Tensor lse = lse_in.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+
+  BwdParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.dout = dout.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.heads_q = hq;
+  p.heads_kv = hkv;
+  p.head_dim = d;
+  p.is_bf16 = dtype == at::kBFloat16;
+  p.softmax_scale = float(softmax_scale);
+  p.softcap = float(softcap);
+  p.softmax_scale_log2 = float(softcap > 0 ? M_LOG2E : softmax_scale * M_LOG2E);
+  if (causal) window_right = 0;
+  p.window_left = int(window_left);
+  p.window_right = int(window_right);
+  p.has_window = window_left >= 0 || window_right >= 0;
+  p.deterministic = deterministic;
+
+  const int r = varlen ? 0 : 1;  // index of the seqlen dim
+  p.q_row_stride = q.stride(r);
+  p.q_head_stride = q.stride(r + 1);
+  p.k_row_stride = k.stride(r);
+  p.k_head_stride = k.stride(r + 1);
+  p.v_row_stride = v.stride(r);
+  p.v_head_stride = v.stride(r + 1);
+  p.o_row_stride = out.stride(r);
+  p.o_head_stride = out.stride(r + 1);
+  p.do_row_stride = dout.stride(r);
+  p.do_head_stride = dout.stride(r + 1);
+
+  int64_t batch, seqlen_q_max, seqlen_k_max;
+  if (varlen) {
+    const auto& cq = *cu_seqlens_q;
+    const auto& ck = *cu_seqlens_k;
+    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt, "flash_ext: cu_seqlens must be int32");
+    TORCH_CHECK(cq.dim() == 1 && ck.dim() == 1 && cq.numel() == ck.numel() && cq.numel() >= 1,
+                "flash_ext: cu_seqlens_q and cu_seqlens_k must be 1-D of the same length batch + 1");
+    TORCH_CHECK(cq.device() == q.device() && ck.device() == q.device(), "flash_ext: cu_seqlens must be on q's device");
+    TORCH_CHECK(cq.is_contiguous() && ck.is_contiguous(), "flash_ext: cu_seqlens must be contiguous");
+    TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_ext: max_seqlen must be >= 0");
+    const int64_t total_q = q.size(0);
+    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == hq && lse.size(1) == total_q,
+                "flash_ext: lse must be (heads_q, total_q) = (", hq, ", ", total_q, ") for varlen; got ", lse.sizes());
+    batch = cq.numel() - 1;
+    seqlen_q_max = max_seqlen_q;
+    seqlen_k_max = max_seqlen_k;
+    p.cu_seqlens_q = cq.data_ptr<int>();
+    p.cu_seqlens_k = ck.data_ptr<int>();
+    p.lse_batch_stride = 0;
+    p.lse_head_stride = total_q;
+  } else {
+    TORCH_CHECK(k.size(0) == q.size(0), "flash_ext: q and k/v must have the same batch size");
+    batch = q.size(0);
+    seqlen_q_max = q.size(1);
+    seqlen_k_max = k.size(1);
+    TORCH_CHECK(lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == hq && lse.size(2) == seqlen_q_max,
+                "flash_ext: lse must be (batch, heads_q, seqlen_q); got ", lse.sizes());
+    p.q_batch_stride = q.stride(0);
+    p.k_batch_stride = k.stride(0);
+    p.v_batch_stride = v.stride(0);
+    p.o_batch_stride = out.stride(0);
+    p.do_batch_stride = dout.stride(0);
+    p.lse_batch_stride = int64_t(hq) * seqlen_q_max;
+    p.lse_head_stride = seqlen_q_max;
+  }
+  TORCH_CHECK(batch <= 65535 && hq <= 65535, "flash_ext: batch and heads must be <= 65535");
+  p.batch = int(batch);
+  p.seqlen_q = int(seqlen_q_max);
+  p.seqlen_k = int(seqlen_k_max);
+
+  // D = rowsum(dO * O), laid out like lse (contiguous).
+  at::Tensor dsum = at::empty_like(lse);
+  p.dsum = dsum.data_ptr<float>();
+
+  // fp32 dQ accumulator shaped like q (contiguous), zeroed here. Deterministic: one slice per
+  // key block of the main kernel, summed below in a fixed order.
+  const BwdTile tile = bwd_sm80_pick_tile(kd);
+  const int64_t n_splits = deterministic ? std::max<int64_t>(1, (seqlen_k_max + tile.block_n - 1) / tile.block_n) : 1;
+  std::vector<int64_t> dqa_shape(q.sizes().begin(), q.sizes().end());
+  if (deterministic) dqa_shape.insert(dqa_shape.begin(), n_splits);
+  at::Tensor dq_accum = at::zeros(dqa_shape, f32);
+  const int o = deterministic ? 1 : 0;  // dims of dq_accum are offset by the split dim
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.dq_split_stride = deterministic ? dq_accum.stride(0) : 0;
+  p.dqa_batch_stride = varlen ? 0 : dq_accum.stride(o);
+  p.dqa_row_stride = dq_accum.stride(o + r);
+  p.dqa_head_stride = dq_accum.stride(o + r + 1);
+
+  // dK, dV in the input dtype. GQA/MQA: the kernel writes one gradient per query head into
+  // expanded (.., heads_q, d) buffers, summed over each group of heads_q / heads_kv below.
+  const bool expand = hq != hkv;
+  std::vector<int64_t> kv_shape(k.sizes().begin(), k.sizes().end());
+  if (expand) kv_shape[kv_shape.size() - 2] = hq;
+  // Varlen: tokens outside every sequence (none when cu_seqlens_k[-1] == total_k) are not written.
+  at::Tensor dk_buf = varlen ? at::zeros(kv_shape, q.options()) : at::empty(kv_shape, q.options());
+  at::Tensor dv_buf = varlen ? at::zeros(kv_shape, q.options()) : at::empty(kv_shape, q.options());
+  p.dk = dk_buf.data_ptr();
+  p.dv = dv_buf.data_ptr();
+  p.dk_batch_stride = varlen ? 0 : dk_buf.stride(0);
+  p.dk_row_stride = dk_buf.stride(r);
+  p.dk_head_stride = dk_buf.stride(r + 1);
+  p.dv_batch_stride = varlen ? 0 : dv_buf.stride(0);
+  p.dv_row_stride = dv_buf.stride(r);
+  p.dv_head_stride = dv_buf.stride(r + 1);
+
+  if (p.batch > 0 && q.numel() > 0 && k.numel() > 0) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    run_bwd(p, kd, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else if (!varlen) {
+    dk_buf.zero_();
+    dv_buf.zero_();
+  }
+
+  at::Tensor dq = (deterministic ? dq_accum.sum(0) : dq_accum).to(dtype);
+  at::Tensor dk = dk_buf, dv = dv_buf;
+  if (expand) {
+    std::vector<int64_t> grouped(kv_shape);
+    grouped[grouped.size() - 2] = hkv;
+    grouped.insert(grouped.end() - 1, hq / hkv);
+    dk = dk_buf.view(grouped).sum(-2);
+    dv = dv_buf.view(grouped).sum(-2);
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace flash_ext
+
+TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
+      "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
+      "int window_left, int window_right, float softcap, bool deterministic) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("bwd", &flash_ext::bwd); }

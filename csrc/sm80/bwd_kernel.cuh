@@ -1,0 +1,375 @@
+// FlashAttention-2 backward for sm80 and newer (mma.sync, ldmatrix, cp.async).
+//
+// Two kernels (docs/kernels-sm80-bwd.md):
+//   bwd_preprocess_kernel  D = rowsum(dO * O) in fp32, one value per (batch, head, query row),
+//                          stored with lse's layout.
+//   bwd_kernel             grid (key blocks, heads_q, batch), sequence-parallel over key blocks.
+//                          A CTA keeps K_j, V_j in shared memory and walks the query blocks i
+//                          that can see key block j:
+//                            S  = Q_i K_j^T, P = exp(S * scale - lse)   (softcap: see below)
+//                            dV_j += P^T dO_i
+//                            dP = dO_i V_j^T, dS = P * (dP - D_i) * scale
+//                            dK_j += dS^T Q_i,  dQ_i += dS K_j  (fp32 atomics, or one slice per
+//                                                                key block when deterministic)
+// P and dS are staged in shared memory in the input dtype: the dV / dK GEMMs read them back
+// transposed with ldmatrix.trans (P^T, dS^T as A operands), the dQ GEMM reads dS as is.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cmath>
+
+#include "common/bwd_params.h"
+#include "common/copy.h"
+#include "common/fragment.h"
+#include "common/mask.h"
+#include "common/seqlen.h"
+#include "common/softmax.h"
+#include "sm80/bwd_kernel_traits.h"
+#include "sm80/gemm.h"
+
+namespace flash_ext::sm80 {
+
+using namespace cute;
+
+// Element offsets of row 0 of sequence `batch` in the backward-only tensors.
+struct BwdSeqOffsets {
+  int64_t do_offset, dqa_offset, dk_offset, dv_offset;
+
+  __device__ __forceinline__ BwdSeqOffsets(const BwdParams& p, int batch) {
+    if (p.cu_seqlens_q != nullptr) {
+      const int64_t q_start = p.cu_seqlens_q[batch];
+      const int64_t k_start = p.cu_seqlens_k[batch];
+      do_offset = q_start * p.do_row_stride;
+      dqa_offset = q_start * p.dqa_row_stride;
+      dk_offset = k_start * p.dk_row_stride;
+      dv_offset = k_start * p.dv_row_stride;
+    } else {
+      do_offset = int64_t(batch) * p.do_batch_stride;
+      dqa_offset = int64_t(batch) * p.dqa_batch_stride;
+      dk_offset = int64_t(batch) * p.dk_batch_stride;
+      dv_offset = int64_t(batch) * p.dv_batch_stride;
+    }
+  }
+};
+
+// The query blocks [m_min, m_max) that see some key of key block n_block: the transpose of
+// BlockMask::key_block_range. Query row i sees key c iff
+//   i + shift - window_left <= c <= i + shift + window_right   (shift = seqlen_k - seqlen_q),
+// so the first row that sees a key of the block is first_col - shift - window_right and the
+// last one last_col - shift + window_left.
+template <int kBlockM, int kBlockN, bool kHasWindow>
+__device__ __forceinline__ void query_block_range(const BlockMask<kBlockM, kBlockN, kHasWindow>& mask,
+                                                  int n_block, int& m_min, int& m_max) {
+  m_min = 0;
+  m_max = (mask.seqlen_q + kBlockM - 1) / kBlockM;
+  if constexpr (kHasWindow) {
+    const int shift = mask.seqlen_k - mask.seqlen_q;
+    const int first_col = n_block * kBlockN;
+    const int last_col = min((n_block + 1) * kBlockN, mask.seqlen_k) - 1;
+    if (mask.window_right >= 0) {
+      const int first_row = first_col - shift - mask.window_right;
+      m_min = first_row <= 0 ? 0 : first_row / kBlockM;
+    }
+    if (mask.window_left >= 0) {
+      const int last_row = last_col - shift + mask.window_left;
+      m_max = min(m_max, last_row < 0 ? 0 : last_row / kBlockM + 1);
+    }
+  }
+}
+
+// D = rowsum(dO * O) over the real head dim, fp32. A warp per row, a lane per 8 columns.
+template <int kNWarps, typename Element>
+__global__ void __launch_bounds__(kNWarps * 32) bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kRowsPerWarp = 4;
+  constexpr int kVec = 8;  // 16 bytes
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  const SeqInfo seq(p, batch);
+  const BwdSeqOffsets off(p, batch);
+  const Element* o_base = static_cast<const Element*>(p.o) + seq.o_offset + head * p.o_head_stride;
+  const Element* do_base = static_cast<const Element*>(p.dout) + off.do_offset + head * p.do_head_stride;
+  float* dsum = p.dsum + seq.lse_offset + head * p.lse_head_stride;
+
+  const int row0 = (blockIdx.x * kNWarps + warp) * kRowsPerWarp;
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int row = row0 + r;
+    if (row >= seq.seqlen_q) break;  // uniform over the warp
+    const Element* o_row = o_base + int64_t(row) * p.o_row_stride;
+    const Element* do_row = do_base + int64_t(row) * p.do_row_stride;
+    float acc = 0.f;
+    for (int c = lane * kVec; c < p.head_dim; c += 32 * kVec) {
+      const uint4 a = *reinterpret_cast<const uint4*>(o_row + c);
+      const uint4 b = *reinterpret_cast<const uint4*>(do_row + c);
+      const Element* ea = reinterpret_cast<const Element*>(&a);
+      const Element* eb = reinterpret_cast<const Element*>(&b);
+      CUTE_UNROLL
+      for (int i = 0; i < kVec; ++i) acc += float(ea[i]) * float(eb[i]);
+    }
+    CUTE_UNROLL
+    for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
+    if (lane == 0) dsum[row] = acc;
+  }
+}
+
+template <typename Traits, bool kHasWindow>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  extern __shared__ __align__(128) char smem_raw[];
+
+  const int n_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int tid = threadIdx.x;
+
+  const SeqInfo seq(p, batch);
+  if (n_block * kBlockN >= seq.seqlen_k) return;
+  const BwdSeqOffsets off(p, batch);
+  const int head_kv = head / (p.heads_q / p.heads_kv);
+  const int rows_k = seq.seqlen_k - n_block * kBlockN;  // valid key rows of this CTA
+
+  const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left,
+                                                      p.window_right);
+  int m_min, m_max;
+  query_block_range(mask, n_block, m_min, m_max);
+
+  // Global memory views.
+  const Element* q_base = static_cast<const Element*>(p.q) + seq.q_offset + head * p.q_head_stride;
+  const Element* k_base = static_cast<const Element*>(p.k) + seq.k_offset + head_kv * p.k_head_stride;
+  const Element* v_base = static_cast<const Element*>(p.v) + seq.v_offset + head_kv * p.v_head_stride;
+  const Element* do_base = static_cast<const Element*>(p.dout) + off.do_offset + head * p.do_head_stride;
+  const float* lse_base = p.lse + seq.lse_offset + head * p.lse_head_stride;
+  const float* dsum_base = p.dsum + seq.lse_offset + head * p.lse_head_stride;
+  float* dqa_base = p.dq_accum + off.dqa_offset + head * p.dqa_head_stride +
+                    (p.deterministic ? int64_t(n_block) * p.dq_split_stride : 0);
+  Element* dk_base = static_cast<Element*>(p.dk) + off.dk_offset + head * p.dk_head_stride;
+  Element* dv_base = static_cast<Element*>(p.dv) + off.dv_offset + head * p.dv_head_stride;
+
+  const int64_t k_row0 = int64_t(n_block) * kBlockN;
+  Tensor gK = make_tensor(make_gmem_ptr(k_base + k_row0 * p.k_row_stride),
+                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.k_row_stride, _1{}));
+  Tensor gV = make_tensor(make_gmem_ptr(v_base + k_row0 * p.v_row_stride),
+                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.v_row_stride, _1{}));
+  Tensor gdK = make_tensor(make_gmem_ptr(dk_base + k_row0 * p.dk_row_stride),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.dk_row_stride, _1{}));
+  Tensor gdV = make_tensor(make_gmem_ptr(dv_base + k_row0 * p.dv_row_stride),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.dv_row_stride, _1{}));
+  auto gQ_block = [&](int m_block) {
+    return make_tensor(make_gmem_ptr(q_base + int64_t(m_block) * kBlockM * p.q_row_stride),
+                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.q_row_stride, _1{}));
+  };
+  auto gdO_block = [&](int m_block) {
+    return make_tensor(make_gmem_ptr(do_base + int64_t(m_block) * kBlockM * p.do_row_stride),
+                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.do_row_stride, _1{}));
+  };
+
+  // Shared memory: Q | dO | K | V | P | dS. dK and dV reuse K and V in the epilogue.
+  Element* smem = reinterpret_cast<Element*>(smem_raw);
+  Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(sQ.data() + int(Traits::kSmemQElems), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + int(Traits::kSmemQElems), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + int(Traits::kSmemKVElems), typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(sV.data() + int(Traits::kSmemKVElems), typename Traits::SmemLayoutP{});
+  Tensor sdS = make_tensor(sP.data() + int(Traits::kSmemPElems), typename Traits::SmemLayoutP{});
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPt{});
+
+  // global <-> shared partitions with (row, col) coordinates for predication.
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tQc = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+  // S = Q K^T and dP = dO V^T.
+  typename Traits::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  auto s2r_sdp_a = make_tiled_copy_A(typename Traits::S2RCopy{}, mma_sdp);
+  auto s2r_sdp_b = make_tiled_copy_B(typename Traits::S2RCopy{}, mma_sdp);
+  Tensor tSsQ = s2r_sdp_a.get_thread_slice(tid).partition_S(sQ);
+  Tensor tSsK = s2r_sdp_b.get_thread_slice(tid).partition_S(sK);
+  Tensor tdPsdO = s2r_sdp_a.get_thread_slice(tid).partition_S(sdO);
+  Tensor tdPsV = s2r_sdp_b.get_thread_slice(tid).partition_S(sV);
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rows = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
+  constexpr int kRows = decltype(size<0>(cS_rows))::value;
+  // P and dS (input dtype) -> shared memory.
+  auto r2s_p = make_tiled_copy_C(typename Traits::R2SCopy{}, mma_sdp);
+  auto r2s_p_thr = r2s_p.get_thread_slice(tid);
+  Tensor tPsP = r2s_p_thr.partition_D(sP);
+  Tensor tPsdS = r2s_p_thr.partition_D(sdS);
+
+  // dV += P^T dO and dK += dS^T Q: all four operands transposed views, ldmatrix.trans.
+  typename Traits::TiledMmadKV mma_kv;
+  auto thr_kv = mma_kv.get_thread_slice(tid);
+  Tensor tdVrPt = thr_kv.partition_fragment_A(sPt);
+  Tensor tdVrdOt = thr_kv.partition_fragment_B(sdOt);
+  Tensor tdKrdSt = thr_kv.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_kv.partition_fragment_B(sQt);
+  auto s2r_kv_a = make_tiled_copy_A(typename Traits::S2RCopyT{}, mma_kv);
+  auto s2r_kv_b = make_tiled_copy_B(typename Traits::S2RCopyT{}, mma_kv);
+  Tensor tdVsPt = s2r_kv_a.get_thread_slice(tid).partition_S(sPt);
+  Tensor tdVsdOt = s2r_kv_b.get_thread_slice(tid).partition_S(sdOt);
+  Tensor tdKsdSt = s2r_kv_a.get_thread_slice(tid).partition_S(sdSt);
+  Tensor tdKsQt = s2r_kv_b.get_thread_slice(tid).partition_S(sQt);
+  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // dQ = dS K: dS as stored, K^T through ldmatrix.trans.
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  auto s2r_dq_a = make_tiled_copy_A(typename Traits::S2RCopy{}, mma_dq);
+  auto s2r_dq_b = make_tiled_copy_B(typename Traits::S2RCopyT{}, mma_dq);
+  Tensor tdQsdS = s2r_dq_a.get_thread_slice(tid).partition_S(sdS);
+  Tensor tdQsKt = s2r_dq_b.get_thread_slice(tid).partition_S(sKt);
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  const bool use_softcap = p.softcap > 0.f;
+  const float scale_log2 = p.softmax_scale_log2;  // log2(e) with softcap (scores already scaled)
+  const float softmax_scale = p.softmax_scale;
+  // Softcap: S' = cap * tanh(S * scale / cap) and dS_raw = dS' * (1 - (S'/cap)^2) * scale. S' is
+  // recovered from P = exp(S' - lse) as ln(P) + lse = (log2(P) + lse * log2(e)) * ln(2).
+  const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
+
+  if (m_min < m_max) {
+    load_tile_async(gmem_thr.partition_S(gK), tKsK, tKVc, rows_k, p.head_dim, k_base);
+    load_tile_async(gmem_thr.partition_S(gV), tVsV, tKVc, rows_k, p.head_dim, v_base);
+
+    for (int m_block = m_min; m_block < m_max; ++m_block) {
+      const int rows_q = seq.seqlen_q - m_block * kBlockM;  // valid query rows of this block
+      // Q (with K and V on the first pass) in one cp.async group, dO in the next: S = Q K^T
+      // starts while dO is still landing.
+      load_tile_async(gmem_thr.partition_S(gQ_block(m_block)), tQsQ, tQc, rows_q, p.head_dim, q_base);
+      cp_async_fence();
+      load_tile_async(gmem_thr.partition_S(gdO_block(m_block)), tdOsdO, tQc, rows_q, p.head_dim, do_base);
+      cp_async_fence();
+
+      // lse (in log2 units) and D of this thread's rows. Rows past the sequence end and rows
+      // that see no key (lse = -inf) get lse = +inf, so that P = exp2(s - inf) = 0, never NaN.
+      float lse_log2[kRows], dsum[kRows];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(cS_rows(r, 0));
+        const bool ok = row < rows_q;
+        const float lse = ok ? lse_base[m_block * kBlockM + row] : INFINITY;
+        lse_log2[r] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+        dsum[r] = ok ? dsum_base[m_block * kBlockM + row] : 0.f;
+      }
+
+      cp_async_wait<1>();
+      __syncthreads();  // Q (and K, V) landed
+
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, s2r_sdp_a, s2r_sdp_b, tid);
+      if (use_softcap) apply_softcap(acc_s, softmax_scale / p.softcap, p.softcap);
+      // (rows, cols) views of S and of its coordinates, as BlockMask::apply takes them.
+      Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
+      if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
+
+      // P = exp(S * scale - lse), recomputed exactly as the forward normalized it.
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) {
+          scores(r, c) = exp2f(scores(r, c) * scale_log2 - lse_log2[r]);
+        }
+      }
+      {
+        Tensor rP = make_tensor_like<Element>(acc_s);
+        convert_into(rP, acc_s);
+        copy(r2s_p, r2s_p_thr.retile_S(rP), tPsP);  // nobody reads sP until the barrier below
+      }
+
+      cp_async_wait<0>();
+      __syncthreads();  // dO landed
+
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, s2r_sdp_a, s2r_sdp_b, tid);
+
+      // dS = P * (dP - D) * scale (times the softcap derivative), the gradient of the raw Q K^T.
+      Tensor dp = make_tensor(acc_dp.data(), acc_as_rows_cols(acc_dp.layout()));
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(dp); ++c) {
+          const float pr = scores(r, c);
+          float ds = pr * (dp(r, c) - dsum[r]);
+          if (use_softcap) {
+            const float t = (__log2f(pr) + lse_log2[r]) * softcap_t_factor;  // S'/cap = tanh(.)
+            ds = pr > 0.f ? ds * (1.f - t * t) : 0.f;
+          }
+          dp(r, c) = ds * softmax_scale;
+        }
+      }
+      {
+        Tensor rdS = make_tensor_like<Element>(acc_dp);
+        convert_into(rdS, acc_dp);
+        copy(r2s_p, r2s_p_thr.retile_S(rdS), tPsdS);
+      }
+      __syncthreads();  // P and dS visible to every warp
+
+      gemm_ss(mma_kv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, s2r_kv_a, s2r_kv_b, tid);
+      gemm_ss(mma_kv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, s2r_kv_a, s2r_kv_b, tid);
+
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(acc_dq);
+      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dq_a, s2r_dq_b, tid);
+      float* dq_tile = dqa_base + int64_t(m_block) * kBlockM * p.dqa_row_stride;
+      const bool deterministic = p.deterministic;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); ++i) {
+        const int row = get<0>(cdQ(i)), col = get<1>(cdQ(i));
+        if (row < rows_q && col < p.head_dim) {
+          float* dst = dq_tile + int64_t(row) * p.dqa_row_stride + col;
+          if (deterministic) {
+            *dst = acc_dq(i);  // this CTA's own slice: written once
+          } else {
+            atomicAdd(dst, acc_dq(i));
+          }
+        }
+      }
+      __syncthreads();  // every warp is done with sQ, sdO, sP, sdS before the next loads
+    }
+  }
+  // else: no query row sees this key block; dK = dV = 0.
+
+  // Epilogue: dK, dV in the input dtype, through shared memory (the K and V buffers) for
+  // 16-byte coalesced stores of the valid rows and columns.
+  Tensor rdK = make_tensor_like<Element>(acc_dk);
+  Tensor rdV = make_tensor_like<Element>(acc_dv);
+  convert_into(rdK, acc_dk);
+  convert_into(rdV, acc_dv);
+  auto r2s_kv = make_tiled_copy_C(typename Traits::R2SCopy{}, mma_kv);
+  auto r2s_kv_thr = r2s_kv.get_thread_slice(tid);
+  __syncthreads();
+  copy(r2s_kv, r2s_kv_thr.retile_S(rdK), r2s_kv_thr.partition_D(sK));
+  copy(r2s_kv, r2s_kv_thr.retile_S(rdV), r2s_kv_thr.partition_D(sV));
+  __syncthreads();
+  Tensor tdKgdK = gmem_thr.partition_D(gdK);
+  Tensor tdVgdV = gmem_thr.partition_D(gdV);
+  store_tile(gmem_thr.partition_S(sK), tdKgdK, tKVc, rows_k, p.head_dim);
+  store_tile(gmem_thr.partition_S(sV), tdVgdV, tKVc, rows_k, p.head_dim);
+}
+
+}  // namespace flash_ext::sm80
