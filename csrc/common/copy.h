@@ -16,10 +16,11 @@ __device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gm
 
 // gmem -> smem tile load. src/dst are (VEC, CPY_M, CPY_K) partitions of a GmemTiledCopy and
 // coords the matching partition of an identity tensor; rows >= max_rows or cols >= max_cols are
-// zero-filled. `fallback` is any valid global address (used when the predicate is false).
+// zero-filled: with a source size of 0, cp.async reads nothing, so the (out of range) address
+// of a predicated-off vector is never dereferenced.
 template <typename TensorG, typename TensorS, typename TensorC>
 __device__ __forceinline__ void load_tile_async(const TensorG& src, TensorS& dst, const TensorC& coords,
-                                                int max_rows, int max_cols, const void* fallback) {
+                                                int max_rows, int max_cols) {
   using namespace cute;
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
@@ -27,7 +28,7 @@ __device__ __forceinline__ void load_tile_async(const TensorG& src, TensorS& dst
     CUTE_UNROLL
     for (int k = 0; k < size<2>(src); ++k) {
       const bool ok = row_ok && get<1>(coords(0, m, k)) < max_cols;
-      cp_async_16_zfill(&dst(0, m, k), ok ? static_cast<const void*>(&src(0, m, k)) : fallback, ok);
+      cp_async_16_zfill(&dst(0, m, k), &src(0, m, k), ok);
     }
   }
 }

@@ -251,16 +251,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
 
   if (m_min < m_max) {
-    load_tile_async(gmem_thr.partition_S(gK), tKsK, tKVc, rows_k, p.head_dim, k_base);
-    load_tile_async(gmem_thr.partition_S(gV), tVsV, tKVc, rows_k, p.head_dim, v_base);
+    load_tile_async(gmem_thr.partition_S(gK), tKsK, tKVc, rows_k, p.head_dim);
+    load_tile_async(gmem_thr.partition_S(gV), tVsV, tKVc, rows_k, p.head_dim);
 
     for (int m_block = m_min; m_block < m_max; ++m_block) {
       const int rows_q = seq.seqlen_q - m_block * kBlockM;  // valid query rows of this block
       // Q (with K and V on the first pass) in one cp.async group, dO in the next: S = Q K^T
       // starts while dO is still landing.
-      load_tile_async(gmem_thr.partition_S(gQ_block(m_block)), tQsQ, tQc, rows_q, p.head_dim, q_base);
+      load_tile_async(gmem_thr.partition_S(gQ_block(m_block)), tQsQ, tQc, rows_q, p.head_dim);
       cp_async_fence();
-      load_tile_async(gmem_thr.partition_S(gdO_block(m_block)), tdOsdO, tQc, rows_q, p.head_dim, do_base);
+      load_tile_async(gmem_thr.partition_S(gdO_block(m_block)), tdOsdO, tQc, rows_q, p.head_dim);
       cp_async_fence();
 
       // lse (in log2 units) and D of this thread's rows. Rows past the sequence end and rows

@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     cp_async_wait<0>();
     __syncthreads();  // K[n_block] (and Q) landed; every warp is done reading the previous V
     load_tile_async(gmem_thr.partition_S(gV_block(n_block)), tVsV, tKVc,
-                    seq.seqlen_k - n_block * kBlockN, p.head_dim, v_base);
+                    seq.seqlen_k - n_block * kBlockN, p.head_dim);
     cp_async_fence();
 
     gemm_ss(mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, s2r_q, s2r_k, tid);
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     __syncthreads();  // V[n_block] landed; every warp is done reading K
     if (n_block > n_min) {
       load_tile_async(gmem_thr.partition_S(gK_block(n_block - 1)), tKsK, tKVc,
-                      seq.seqlen_k - (n_block - 1) * kBlockN, p.head_dim, k_base);
+                      seq.seqlen_k - (n_block - 1) * kBlockN, p.head_dim);
       cp_async_fence();
     }
 
@@ -145,9 +145,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   };
 
   if (n_min < n_max) {
-    load_tile_async(gmem_thr.partition_S(gQ), tQsQ, tQc, rows_q, p.head_dim, q_base);
+    load_tile_async(gmem_thr.partition_S(gQ), tQsQ, tQc, rows_q, p.head_dim);
     load_tile_async(gmem_thr.partition_S(gK_block(n_max - 1)), tKsK, tKVc,
-                    seq.seqlen_k - (n_max - 1) * kBlockN, p.head_dim, k_base);
+                    seq.seqlen_k - (n_max - 1) * kBlockN, p.head_dim);
     cp_async_fence();
     step(n_max - 1, cute::true_type{});
     for (int n_block = n_max - 2; n_block >= n_min; --n_block) step(n_block, cute::false_type{});

@@ -44,7 +44,7 @@ template <int kHeadDim, bool kIsBf16>
 void run_fwd_sm80(FwdParams& p, cudaStream_t stream) {
   using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
   using sm80::FwdTraits;
-  if constexpr (kHeadDim <= 64) {
+  if constexpr (kHeadDim <= 32) {
     sm80::launch_fwd<FwdTraits<kHeadDim, 128, 128, 4, Element>>(p, stream);
   } else if constexpr (kHeadDim <= 128) {
     sm80::launch_fwd<FwdTraits<kHeadDim, 128, 64, 4, Element>>(p, stream);
