@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <string>
 
@@ -84,7 +85,110 @@ void run_fwd_sm80_hdim(FwdParams& p, int kd, cudaStream_t stream) {
   }
 }
 
-void run_fwd(FwdParams& p, cudaStream_t stream) {
+#ifdef FLASH_EXT_SM90A
+// Head dims of the Hopper kernels in this build, ascending; 0 = none fits.
+int kernel_head_dim_sm90(int d) {
+  constexpr int kDims[] = {
+#ifdef FLASH_EXT_HDIM_64
+      64,
+#endif
+#ifdef FLASH_EXT_HDIM_96
+      96,
+#endif
+#ifdef FLASH_EXT_HDIM_128
+      128,
+#endif
+#ifdef FLASH_EXT_HDIM_192
+      192,
+#endif
+#ifdef FLASH_EXT_HDIM_256
+      256,
+#endif
+      0};
+  for (int kd : kDims) {
+    if (kd >= d) return kd;
+  }
+  return 0;
+}
+
+template <bool kIsBf16>
+void run_fwd_sm90_hdim(FwdParams& p, int kd, cudaStream_t stream) {
+  switch (kd) {
+#ifdef FLASH_EXT_HDIM_64
+    case 64: return run_fwd_sm90<64, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_96
+    case 96: return run_fwd_sm90<96, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_128
+    case 128: return run_fwd_sm90<128, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_192
+    case 192: return run_fwd_sm90<192, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_256
+    case 256: return run_fwd_sm90<256, kIsBf16>(p, stream);
+#endif
+    default: TORCH_CHECK(false, "flash_ext: no sm90 kernel for head dim ", kd);
+  }
+}
+#endif  // FLASH_EXT_SM90A
+
+// Which forward implementation runs: FLASH_EXT_FWD_PATH=sm80 or sm90 forces one (tests and
+// benchmarks compare the two on one GPU); the default picks the Hopper kernel on sm90 devices
+// when this build has it for the head dim, else the sm80 kernel (which runs on sm80 and newer).
+enum class FwdPath { kSm80, kSm90 };
+
+FwdPath choose_fwd_path(const FwdParams& p, int device) {
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  const char* env = std::getenv("FLASH_EXT_FWD_PATH");
+  const std::string forced = env ? env : "";
+  TORCH_CHECK(forced.empty() || forced == "auto" || forced == "sm80" || forced == "sm90",
+              "flash_ext: FLASH_EXT_FWD_PATH must be auto, sm80 or sm90; got '", forced, "'");
+  bool sm90_ok = false;
+#ifdef FLASH_EXT_SM90A
+  const bool bf16_ok =
+#ifdef FLASH_EXT_BF16
+      true;
+#else
+      false;
+#endif
+  const bool fp16_ok =
+#ifdef FLASH_EXT_FP16
+      true;
+#else
+      false;
+#endif
+  sm90_ok = major == 9 && kernel_head_dim_sm90(p.head_dim) != 0 && (p.is_bf16 ? bf16_ok : fp16_ok);
+#endif
+  if (forced == "sm90") {
+    TORCH_CHECK(sm90_ok, "flash_ext: FLASH_EXT_FWD_PATH=sm90 needs an sm90 GPU and a build with 90a in ",
+                "FLASH_EXT_ARCHS covering head dim ", p.head_dim, " (", FLASH_EXT_BUILD_INFO, ")");
+    return FwdPath::kSm90;
+  }
+  if (forced == "sm80") return FwdPath::kSm80;
+  return sm90_ok ? FwdPath::kSm90 : FwdPath::kSm80;
+}
+
+void run_fwd(FwdParams& p, int device, cudaStream_t stream) {
+#ifdef FLASH_EXT_SM90A
+  if (choose_fwd_path(p, device) == FwdPath::kSm90) {
+    const int kd = kernel_head_dim_sm90(p.head_dim);
+    if (p.is_bf16) {
+#ifdef FLASH_EXT_BF16
+      run_fwd_sm90_hdim<true>(p, kd, stream);
+#endif
+    } else {
+#ifdef FLASH_EXT_FP16
+      run_fwd_sm90_hdim<false>(p, kd, stream);
+#endif
+    }
+    return;
+  }
+#else
+  choose_fwd_path(p, device);  // validates FLASH_EXT_FWD_PATH
+#endif
   const int kd = kernel_head_dim(p.head_dim);
   if (p.is_bf16) {
 #ifdef FLASH_EXT_BF16
@@ -188,6 +292,8 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
     p.cu_seqlens_q = cq.data_ptr<int>();
     p.cu_seqlens_k = ck.data_ptr<int>();
     const int64_t total_q = q.size(0);
+    p.total_q = int(total_q);
+    p.total_k = int(k.size(0));
     lse = at::empty({hq, total_q}, q.options().dtype(at::kFloat));
     p.lse_batch_stride = 0;
     p.lse_head_stride = total_q;
@@ -213,7 +319,7 @@ void launch(FwdParams& p, const at::Tensor& q) {
   if (p.batch == 0 || p.seqlen_q == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-  run_fwd(p, stream);
+  run_fwd(p, q.get_device(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

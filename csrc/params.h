@@ -26,6 +26,7 @@ struct FwdParams {
   int heads_q, heads_kv;  // heads_q % heads_kv == 0 (MQA/GQA: kv head = q head / (heads_q / heads_kv))
   int seqlen_q, seqlen_k;  // non-varlen sizes; for varlen, the max sizes (grid extent)
   int head_dim;            // actual head dim (multiple of 8, <= the kernel's kHeadDim)
+  int total_q, total_k;    // varlen: rows of the packed q and k tensors (the TMA tensor extents)
 
   // varlen: sequence b has rows [cu_seqlens_q[b], cu_seqlens_q[b+1]); nullptr when not varlen.
   const int* __restrict__ cu_seqlens_q;

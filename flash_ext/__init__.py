@@ -1,10 +1,13 @@
 """flash_ext: fast exact attention for PyTorch on NVIDIA GPUs.
 
     out, lse = flash_ext.attn_fwd(q, k, v, causal=True)
+    dq, dk, dv = flash_ext.attn_bwd(dout, q, k, v, out, lse, causal=True)
 
 q (batch, seqlen_q, nheads_q, headdim), k and v (batch, seqlen_k, nheads_kv, headdim), float16
 or bfloat16 CUDA tensors; or varlen q (total_q, nheads_q, headdim) with cu_seqlens_q/k.
-FlashAttention-2-compatible functions (flash_attn_func, flash_attn_varlen_func, ...) are here too.
+attn_fwd and the FlashAttention-2-compatible functions (flash_attn_func,
+flash_attn_varlen_func, ...) are differentiable: autograd (eager or torch.compile) runs the
+backward kernel; attn_bwd calls it explicitly.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import torch.nn.functional as F
 from flash_ext import _validation
 from flash_ext import ops
 from flash_ext import reference
-from flash_ext.ops import build_info
+from flash_ext.ops import _ALIGN, _aligned, _is_aligned, build_info  # noqa: F401
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
     "attn_fwd",
+    "attn_bwd",
     "build_info",
     "reference",
     "flash_attn_func",
@@ -35,25 +39,17 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
 ]
 
-# The op needs 16-byte aligned rows: every stride but the last, and the storage offset, a
-# multiple of 8 elements (fp16/bf16); and the head dim a multiple of 8.
-_ALIGN = 8
+
+def _scalar_args(d: int, softmax_scale, causal: bool, window_size, softcap):
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    window_left, window_right = int(window_size[0]), int(window_size[1])
+    if causal:
+        window_right = 0
+    return scale, bool(causal), window_left, window_right, float(softcap)
 
 
-def _is_aligned(t: torch.Tensor) -> bool:
-    if t.stride(-1) != 1:
-        return False
-    # Dynamo cannot trace storage_offset(); under torch.compile the C++ op's own check of the
-    # data pointer's alignment is the safety net for (rare) odd offsets.
-    if not torch.compiler.is_compiling() and t.storage_offset() % _ALIGN != 0:
-        return False
-    return all(s % _ALIGN == 0 for s in t.stride()[:-1])
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t itself if the op can read it in place, else a fresh row-major copy. (clone with
-    contiguous_format, not .contiguous(): the latter keeps odd strides of size-1 dims.)"""
-    return t if _is_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+def _padded_head_dim(d: int) -> int:
+    return (d + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -62,8 +58,13 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
              cu_seqlens_q: Optional[torch.Tensor] = None,
              cu_seqlens_k: Optional[torch.Tensor] = None,
              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+             deterministic: bool = False,
              out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention forward. Returns ``(out, lse)``.
+
+    Differentiable: when q, k or v requires grad (and grad mode is on), autograd computes
+    dq, dk, dv with the backward kernel (``lse`` is returned non-differentiable: no gradient
+    flows through it). Gradients with respect to softmax_scale and softcap are not computed.
 
     Args:
         q: (batch, seqlen_q, nheads_q, headdim), or varlen (total_q, nheads_q, headdim).
@@ -78,7 +79,11 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         softcap: if > 0, scores become softcap * tanh(scores / softcap).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths (varlen).
         max_seqlen_q, max_seqlen_k: longest query / key sequence (varlen only).
-        out: optional output tensor of q's shape and dtype to write into.
+        deterministic: make the backward of this call (through autograd) bitwise reproducible
+            (no atomics; costs ceil(seqlen_k / 128) fp32 copies of dq of workspace and some
+            speed). The forward is deterministic either way.
+        out: optional output tensor of q's shape and dtype to write into. Not differentiable:
+            raises if q, k or v requires grad.
 
     Returns:
         out: q's shape and dtype.
@@ -89,57 +94,127 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, out=out)
-    if out is not None and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, v)):
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if out is not None and needs_grad:
         raise RuntimeError(
             "flash_ext.attn_fwd: out= does not support automatic differentiation (one of q, k, "
             "v requires grad); call it without out=")
 
     d = q.shape[-1]
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    window_left, window_right = int(window_size[0]), int(window_size[1])
-    if causal:
-        window_right = 0
-    softcap = float(softcap)
-
+    args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
     if varlen:
         cu_seqlens_q = cu_seqlens_q.contiguous()
         cu_seqlens_k = cu_seqlens_k.contiguous()
         mq, mk = int(max_seqlen_q), int(max_seqlen_k)
-        lse_shape = (q.shape[1], q.shape[0])
-        no_rows = q.shape[0] == 0 or mq == 0
-        no_keys = k.shape[0] == 0 or mk == 0
     else:
         mq = mk = 0
-        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-        no_rows = q.shape[0] == 0 or q.shape[1] == 0
-        no_keys = k.shape[1] == 0
-    if no_rows or no_keys:
+
+    if not needs_grad and ops._nothing_to_do(q, k, varlen, mq, mk):
         # Nothing to launch: no query rows, or no key at all (every row fully masked).
-        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+        # (The differentiable path below does the same inside flash_ext::attn.)
+        lse = torch.full(ops._lse_shape(q, cu_seqlens_q), float("-inf"), dtype=torch.float32,
+                         device=q.device)
         if out is None:
-            return torch.zeros_like(q, memory_format=torch.contiguous_format), lse
+            return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse
         return out.zero_(), lse
 
-    d_pad = (d + _ALIGN - 1) // _ALIGN * _ALIGN
+    d_pad = _padded_head_dim(d)
     if d_pad != d:
-        # Zero columns change neither q k^T nor the kept columns of P V.
+        # Zero columns change neither q k^T nor the kept columns of P V (nor, in the backward,
+        # the kept columns of dq, dk, dv); F.pad and the slice below are differentiable.
         q, k, v = (F.pad(t, (0, d_pad - d)) for t in (q, k, v))
     else:
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
 
-    args = (cu_seqlens_q, cu_seqlens_k, mq, mk, scale, bool(causal), window_left, window_right,
-            softcap)
+    if needs_grad:
+        # The differentiable path: flash_ext::attn records `deterministic` for the backward and
+        # handles the calls with nothing to launch itself.
+        o, lse = ops._attn(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args,
+                           bool(deterministic))
+        return (o[..., :d] if d_pad != d else o), lse
+
     if out is not None and d_pad == d and _is_aligned(out):
-        lse = ops._fwd_out(q, k, v, out, *args)
+        lse = ops._fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, mq, mk, *args)
         return out, lse
-    o, lse = ops._fwd(q, k, v, *args)
+    o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args)
     if d_pad != d:
         o = o[..., :d]
     if out is not None:
         out.copy_(o)
         return out, lse
     return o, lse
+
+
+def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: Optional[float] = None,
+             causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+             cu_seqlens_q: Optional[torch.Tensor] = None,
+             cu_seqlens_k: Optional[torch.Tensor] = None,
+             max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+             deterministic: bool = False, dq: Optional[torch.Tensor] = None,
+             dk: Optional[torch.Tensor] = None,
+             dv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact attention backward: the gradients of ``out = attn_fwd(q, k, v, ...)`` with respect
+    to q, k, v, given dout (the gradient with respect to out). Returns ``(dq, dk, dv)``.
+
+    Args:
+        dout: gradient of the loss with respect to out; q's shape and dtype, any strides.
+        q, k, v: the forward's inputs (same rules as :func:`attn_fwd`).
+        out, lse: what :func:`attn_fwd` returned for them (out: q's shape and dtype; lse: float32
+            (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q)).
+        softmax_scale, causal, window_size, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k: the same values as in the forward call.
+        deterministic: bitwise reproducible gradients (no atomics; costs ceil(seqlen_k / 128)
+            fp32 copies of dq of workspace and some speed).
+        dq, dk, dv: optional tensors (like q, k, v: shape, dtype, device; any strides) to write
+            the gradients into; each one given is returned as is.
+
+    Returns:
+        dq, dk, dv: shaped like q, k, v in their dtype: the given tensors, else new ones
+            (contiguous, except views of padded buffers when the head dim is not a multiple
+            of 8, as attn_fwd's out).
+        With GQA/MQA, dk and dv are summed over the query heads sharing each key/value head.
+        Query rows that see no key get dq = 0; keys that no row sees get dk = dv = 0.
+
+    Not differentiable itself (no double backward).
+    """
+    varlen = _validation.check_bwd_inputs(
+        dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq=dq, dk=dk, dv=dv)
+    d = q.shape[-1]
+    args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
+    if varlen:
+        cu_seqlens_q = cu_seqlens_q.contiguous()
+        cu_seqlens_k = cu_seqlens_k.contiguous()
+        mq, mk = int(max_seqlen_q), int(max_seqlen_k)
+    else:
+        mq = mk = 0
+
+    with torch.no_grad():
+        if ops._nothing_to_do(q, k, varlen, mq, mk):
+            # Nothing to launch: every gradient is zero.
+            grads = tuple(torch.zeros(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v))
+        else:
+            d_pad = _padded_head_dim(d)
+            tensors = (dout, q, k, v, out)
+            if d_pad != d:
+                # Zero columns of dout and out leave rowsum(dout * out) unchanged.
+                tensors = tuple(F.pad(t, (0, d_pad - d)) for t in tensors)
+            else:
+                tensors = tuple(_aligned(t) for t in tensors)
+            grads = ops._bwd(*tensors, lse, cu_seqlens_q, cu_seqlens_k, mq, mk, *args,
+                             bool(deterministic))
+            if d_pad != d:
+                grads = tuple(g[..., :d] for g in grads)
+        result = []
+        for g, dst in zip(grads, (dq, dk, dv)):
+            if dst is None:
+                result.append(g)
+            else:
+                dst.copy_(g)
+                result.append(dst)
+    return tuple(result)
 
 
 # Imported last: interface.py calls attn_fwd.

@@ -10,7 +10,8 @@ Every check raises a clear Python error naming the offending argument:
 Each check is a small function that can be tested on its own (tests pass
 ``require_cuda=False`` to reach the checks behind the device check on a CPU-only machine).
 :func:`check_fwd_inputs` runs them all, device check first, so a call with CPU tensors raises
-the device error before anything touches CUDA.
+the device error before anything touches CUDA; :func:`check_bwd_inputs` does the same for the
+backward (the forward's checks plus dout, out, lse and the optional dq/dk/dv outputs).
 
 Host synchronisation. The op path must not synchronise with the GPU (CUDA graphs capture it,
 and syncs cost latency). The only checks that need tensor *values* are those on
@@ -49,7 +50,10 @@ __all__ = [
     "check_softcap",
     "check_window_size",
     "check_out",
+    "check_like",
+    "check_lse",
     "check_fwd_inputs",
+    "check_bwd_inputs",
 ]
 
 MAX_HEADDIM = 256
@@ -321,6 +325,44 @@ def check_out(out: Optional[torch.Tensor], q: torch.Tensor) -> None:
         raise DeviceError(f"flash_ext: out must be on q's device ({q.device}); got {out.device}")
 
 
+def check_like(t: Optional[torch.Tensor], ref: torch.Tensor, name: str, ref_name: str) -> None:
+    """``t`` (skipped when None) must be a tensor of ``ref``'s shape, dtype and device, e.g.
+    dout and out like q, or dk= like k (any strides are accepted)."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flash_ext: {name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype != ref.dtype:
+        raise TypeError(
+            f"flash_ext: {name} must have {ref_name}'s dtype ({_dtype_name(ref.dtype)}); got "
+            f"{_dtype_name(t.dtype)}")
+    if t.shape != ref.shape:
+        raise ValueError(
+            f"flash_ext: {name} must have {ref_name}'s shape {_shape(ref)}; got {_shape(t)}")
+    if t.device != ref.device:
+        raise DeviceError(
+            f"flash_ext: {name} must be on {ref_name}'s device ({ref.device}); got {t.device}")
+
+
+def check_lse(lse: torch.Tensor, q: torch.Tensor, varlen: bool) -> None:
+    """``lse`` as the forward returned it: float32, (batch, nheads_q, seqlen_q) or varlen
+    (nheads_q, total_q)."""
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"flash_ext: lse must be a torch.Tensor; got {type(lse).__name__}")
+    if lse.dtype != torch.float32:
+        raise TypeError(
+            f"flash_ext: lse must be float32 (as the forward returns it); got "
+            f"{_dtype_name(lse.dtype)}")
+    if varlen:
+        expected, layout = (q.shape[1], q.shape[0]), "(nheads_q, total_q)"
+    else:
+        expected, layout = (q.shape[0], q.shape[2], q.shape[1]), "(batch, nheads_q, seqlen_q)"
+    if tuple(lse.shape) != tuple(expected):
+        raise ValueError(
+            f"flash_ext: lse must have shape {layout} = ({', '.join(str(s) for s in expected)}), "
+            f"as the forward returns it; got {_shape(lse)}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Everything, in order
 # ----------------------------------------------------------------------------------------------
@@ -346,4 +388,31 @@ def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] 
                                    ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
             if should_check_values(cu):
                 check_cu_seqlens_values(cu, total, m, name)
+    return varlen
+
+
+def check_bwd_inputs(dout, q, k, v, out, lse, *, softmax_scale=None,
+                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                     dq=None, dk=None, dv=None, require_cuda: bool = True) -> bool:
+    """All checks of one backward call, device first: the forward's checks on q, k, v and the
+    arguments, then dout and out (q's shape and dtype), lse (float32, the forward's lse shape)
+    and the optional dq, dk, dv outputs (like q, k, v). dout, out, dq, dk, dv may have any
+    strides. Returns True for a varlen call."""
+    check_devices({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                   "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "dq": dq,
+                   "dk": dk, "dv": dv}, require_cuda=require_cuda)
+    for name, t in (("dout", dout), ("out", out), ("lse", lse)):
+        if t is None:
+            raise TypeError(f"flash_ext: {name} must be a torch.Tensor, got None")
+    varlen = check_fwd_inputs(q, k, v, softmax_scale=softmax_scale, window_size=window_size,
+                              softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                              max_seqlen_k=max_seqlen_k, require_cuda=require_cuda)
+    check_like(dout, q, "dout", "q")
+    check_like(out, q, "out", "q")
+    check_lse(lse, q, varlen)
+    check_like(dq, q, "dq", "q")
+    check_like(dk, k, "dk", "k")
+    check_like(dv, v, "dv", "v")
     return varlen

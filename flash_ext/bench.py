@@ -1,29 +1,42 @@
 """Attention throughput, flash_ext against PyTorch SDPA, side by side in one process.
 
-    python -m flash_ext.bench                 # full sweep
-    python -m flash_ext.bench --quick         # bf16, seqlens 1k/4k/16k: well under 2 minutes
+    python -m flash_ext.bench                 # full sweep: fwd, bwd, fwd+bwd
+    python -m flash_ext.bench --quick         # bf16, seqlens 1k/4k/16k: about 2 minutes
     python -m flash_ext.bench --dtypes fp16 --hdims 128 --seqlens 2048,8192 --causal true
+    python -m flash_ext.bench --quick --directions bwd
 
-Backends: flash_ext.attn_fwd; torch.nn.functional.scaled_dot_product_attention restricted (with
-torch.nn.attention.sdpa_kernel) to FLASH_ATTENTION and to CUDNN_ATTENTION. All three read the
-same (batch, seqlen, heads, headdim) tensors; SDPA gets (batch, heads, seqlen, headdim)
-transposed views of them. Shapes: batch = 16384 // seqlen, heads = 2048 // headdim (16k
-tokens of model width 2048 per config). A backend that rejects a shape is recorded as None.
+Backends: flash_ext (attn_fwd and its autograd backward); torch.nn.functional.
+scaled_dot_product_attention restricted (with torch.nn.attention.sdpa_kernel) to FLASH_ATTENTION
+and to CUDNN_ATTENTION. All three read the same (batch, seqlen, heads, headdim) tensors; SDPA
+gets (batch, heads, seqlen, headdim) transposed views of them. Shapes: batch = 16384 // seqlen,
+heads = 2048 // headdim (16k tokens of model width 2048 per config). A backend that rejects a
+shape is recorded as None.
+
+Directions (--directions, default all three):
+  fwd     one forward call (flash_ext.attn_fwd, no autograd graph);
+  bwd     one backward: torch.autograd.grad(out, (q, k, v), dout) on an out computed once
+          beforehand by the same backend (the same autograd path for all three backends);
+  fwdbwd  forward with autograd, then that backward.
 
 Metric: FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * headdim (two matmuls), halved for
-causal; TFLOP/s = FLOPs / median time. Times: CUDA events around each call, after warmup, median
-of --reps calls. The L2 cache is not flushed between calls: every config moves at least 3 x 64
-MiB of q, k, v, several times the L2, so a warm cache changes little.
+causal, times 1 (fwd), 2.5 (bwd: five matmuls) or 3.5 (fwdbwd); TFLOP/s = FLOPs / median time.
+Times: CUDA events around each call, after warmup, median of --reps calls. The L2 cache is not
+flushed between calls: every config moves at least 3 x 64 MiB of q, k, v, several times the L2,
+so a warm cache changes little.
 
 Memory: "extra MiB" is the peak memory allocated during one flash_ext call minus what was
-allocated before it and minus the bytes of its outputs (out and lse): workspace the kernel needs
-beyond its inputs and outputs (0 for a kernel that allocates nothing N x N).
+allocated before it (inputs, and for bwd also out, lse, dout and what autograd saved) and minus
+the bytes of what the call returns (fwd: out and lse; bwd and fwdbwd: dq, dk, dv): the workspace
+beyond inputs and outputs. For bwd that is the backward's own workspace (the fp32 dq
+accumulator, the GQA expansion buffers, the deterministic split of dq); for fwdbwd it also holds
+the forward's out and lse.
 
-Outputs: a table on stdout, and in --out (default bench_out/): bench_fwd.json (GPU, torch
-version, date, rows) and bench_fwd.png (needs matplotlib; skipped with a message otherwise).
+Outputs: a table on stdout, and in --out (default bench_out/): bench_<directions>.json (GPU,
+torch version, date, rows; bench_fwd.json for a forward-only run) and bench_<directions>.png
+(needs matplotlib; skipped with a message otherwise).
 
-The code is organised by "direction" (only "fwd" today): a direction is a FLOP count factor plus
-one callable per backend; adding "bwd" means adding entries to DIRECTIONS and BACKENDS.
+The code is organised by direction: a direction is a FLOP count factor (DIRECTIONS) plus one
+callable per backend (make_backend_fn).
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (1024, 4096, 16384)
 
 # FLOPs of one call relative to the forward pass (the papers' convention: backward = 2.5 x fwd).
-DIRECTIONS = {"fwd": 1.0}
+DIRECTIONS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 BACKEND_NAMES = ("flash_ext", "sdpa_flash", "sdpa_cudnn")
 
@@ -62,7 +75,8 @@ BACKEND_NAMES = ("flash_ext", "sdpa_flash", "sdpa_cudnn")
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, headdim: int,
                     causal: bool, direction: str = "fwd") -> float:
     """FLOPs of one attention call: 4 * b * h * sq * sk * d (QK^T and PV, 2 FLOPs per
-    multiply-add), halved for causal, times the direction's factor (fwd 1)."""
+    multiply-add), halved for causal, times the direction's factor (fwd 1, bwd 2.5,
+    fwdbwd 3.5)."""
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * headdim
     if causal:
         flops /= 2
@@ -192,6 +206,21 @@ def _parse_int_list(text: str) -> list[int]:
     return vals
 
 
+def _parse_directions(text: str) -> list[str]:
+    vals = []
+    for v in (t.strip().lower() for t in text.split(",")):
+        if not v:
+            continue
+        if v not in DIRECTIONS:
+            raise argparse.ArgumentTypeError(
+                f"unknown direction {v!r}; choose from {', '.join(DIRECTIONS)}")
+        if v not in vals:
+            vals.append(v)
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of directions, got {text!r}")
+    return vals
+
+
 def _parse_dtypes(text: str) -> list[str]:
     vals = [t.strip().lower() for t in text.split(",") if t.strip()]
     for v in vals:
@@ -203,7 +232,10 @@ def _parse_dtypes(text: str) -> list[str]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flash_ext.bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="bf16 only, seqlens 1k,4k,16k, fewer reps (well under 2 minutes on an H100)")
+                   help="bf16 only, seqlens 1k,4k,16k, fewer reps (about 2 minutes on an H100 "
+                        "for all three directions)")
+    p.add_argument("--directions", type=_parse_directions, default=list(DIRECTIONS),
+                   help="comma-separated subset of fwd,bwd,fwdbwd (default: all)")
     p.add_argument("--dtypes", type=_parse_dtypes, default=None, help="e.g. bf16,fp16")
     p.add_argument("--hdims", type=_parse_int_list, default=None, help="e.g. 64,128,256")
     p.add_argument("--seqlens", type=_parse_int_list, default=None, help="e.g. 1k,4096,16k")
@@ -244,10 +276,9 @@ def _sdpa_fn(q, k, v, causal: bool, backend) -> Callable[[], object]:
     return run
 
 
-def make_backend_fn(name: str, direction: str, q, k, v, causal: bool) -> Callable[[], object]:
-    """A zero-argument callable running one backend on (b, s, h, d) tensors q, k, v."""
-    if direction != "fwd":
-        raise ValueError(f"direction {direction!r} is not benchmarked yet")
+def _forward_fn(name: str, q, k, v, causal: bool) -> Callable[[], object]:
+    """A zero-argument callable running one backend's forward; returns out (flash_ext:
+    (out, lse))."""
     if name == "flash_ext":
         import flash_ext
         return lambda: flash_ext.attn_fwd(q, k, v, causal=causal)
@@ -257,6 +288,28 @@ def make_backend_fn(name: str, direction: str, q, k, v, causal: bool) -> Callabl
     if name == "sdpa_cudnn":
         return _sdpa_fn(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
     raise ValueError(f"unknown backend {name!r}")
+
+
+def make_backend_fn(name: str, direction: str, q, k, v, causal: bool) -> Callable[[], object]:
+    """A zero-argument callable running one backend in one direction on (b, s, h, d) tensors
+    q, k, v. bwd runs the forward once here (outside the timed callable)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown direction {direction!r}")
+    if direction == "fwd":
+        return _forward_fn(name, q, k, v, causal)
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    fwd = _forward_fn(name, *leaves, causal)
+
+    def forward():
+        out = fwd()
+        return out[0] if isinstance(out, tuple) else out
+
+    if direction == "bwd":
+        out = forward()
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    dout = torch.randn_like(forward())
+    return lambda: torch.autograd.grad(forward(), leaves, dout)
 
 
 def time_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
@@ -316,6 +369,7 @@ def run_config(cfg: Config, reps: int, warmup: int, device="cuda") -> Row:
             row.tflops[name] = None
             row.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             torch.cuda.synchronize()
+        fn = None  # free this backend's out / saved tensors before the next one
     del q, k, v
     return row
 
@@ -326,7 +380,7 @@ def write_json(path: str, rows: Sequence[Row], args: argparse.Namespace) -> None
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "flops_convention": "4*b*h*sq*sk*d, halved for causal",
+        "flops_convention": "4*b*h*sq*sk*d, halved for causal; x2.5 for bwd, x3.5 for fwdbwd",
         "args": {k: v for k, v in vars(args).items() if k != "causal_modes"},
         "rows": [r.to_json() for r in rows],
     }
@@ -384,7 +438,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("flash_ext.bench needs a CUDA GPU (none found)", file=sys.stderr)
         return 2
-    configs = make_configs(args.dtypes, args.hdims, args.seqlens, args.causal_modes)
+    configs = make_configs(args.dtypes, args.hdims, args.seqlens, args.causal_modes,
+                           args.directions)
     print(f"{len(configs)} configs on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"median of {args.reps} calls after {args.warmup} warmup")
     rows = []
@@ -401,10 +456,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for cfg_name, n, e in errors:
             print(f"  {cfg_name} [{n}]: {e}")
     os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, "bench_fwd.json")
+    stem = "bench_" + "_".join(args.directions)
+    json_path = os.path.join(args.out, stem + ".json")
     write_json(json_path, rows, args)
     print(f"\nwrote {json_path}")
-    png_path = os.path.join(args.out, "bench_fwd.png")
+    png_path = os.path.join(args.out, stem + ".png")
     if write_plot(png_path, rows):
         print(f"wrote {png_path}")
     return 0

@@ -10,9 +10,12 @@ int32 cu_seqlens. With ``return_attn_probs=True`` the functions return ``(out, l
 lse is (batch, nheads, seqlen_q) or varlen (nheads, total_q); the attention probabilities are
 only returned by FlashAttention when dropout is on, which flash_ext does not support yet.
 
+All of them are differentiable (autograd, eager or torch.compile): the gradients of q, k, v
+(or of the packed kv / qkv) come from flash_ext's backward kernel. ``deterministic=True`` makes
+that backward bitwise reproducible (no atomics; more workspace, somewhat slower); the forward
+is deterministic either way. The returned lse carries no gradient.
+
 Not supported yet (NotImplementedError): dropout_p > 0, alibi_slopes, block_table (paged KV).
-``deterministic`` is accepted and has no effect (the forward pass is deterministic).
-There is no backward pass yet: asking for a gradient raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     [or (out, lse, None) with return_attn_probs]."""
     _check_unsupported("flash_attn_func", dropout_p, alibi_slopes)
     out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap)
+                        window_size=window_size, softcap=softcap, deterministic=deterministic)
     return _result(out, lse, return_attn_probs)
 
 
@@ -76,7 +79,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     _check_unsupported(fn, dropout_p, alibi_slopes)
     k, v = _unpack(fn, "kv", kv, 2, 2, 5, "(batch, seqlen_k, 2, nheads_kv, headdim)")
     out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap)
+                        window_size=window_size, softcap=softcap, deterministic=deterministic)
     return _result(out, lse, return_attn_probs)
 
 
@@ -88,7 +91,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     _check_unsupported(fn, dropout_p, alibi_slopes)
     q, k, v = _unpack(fn, "qkv", qkv, 2, 3, 5, "(batch, seqlen, 3, nheads, headdim)")
     out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap)
+                        window_size=window_size, softcap=softcap, deterministic=deterministic)
     return _result(out, lse, return_attn_probs)
 
 
@@ -100,7 +103,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -> out (total_q, hq, d) [or (out, lse (hq, total_q), None)]."""
     _check_unsupported("flash_attn_varlen_func", dropout_p, alibi_slopes, block_table)
     out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+                        window_size=window_size, softcap=softcap, deterministic=deterministic,
+                        cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k)
     return _result(out, lse, return_attn_probs)
@@ -116,7 +120,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     _check_unsupported(fn, dropout_p, alibi_slopes)
     k, v = _unpack(fn, "kv", kv, 1, 2, 4, "(total_k, 2, nheads_kv, headdim)")
     out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+                        window_size=window_size, softcap=softcap, deterministic=deterministic,
+                        cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k)
     return _result(out, lse, return_attn_probs)
@@ -131,6 +136,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     _check_unsupported(fn, dropout_p, alibi_slopes)
     q, k, v = _unpack(fn, "qkv", qkv, 1, 3, 4, "(total, 3, nheads, headdim)")
     out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, cu_seqlens_q=cu_seqlens,
+                        window_size=window_size, softcap=softcap, deterministic=deterministic,
+                        cu_seqlens_q=cu_seqlens,
                         cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
     return _result(out, lse, return_attn_probs)

@@ -1,19 +1,34 @@
 """The compiled ops, their fake (meta) kernels and their autograd registration.
 
-Importing ``flash_ext._C`` registers, in C++ (csrc/flash_api.cpp, TORCH_LIBRARY):
+Importing ``flash_ext._C`` registers, in C++ (csrc/flash_api.cpp, csrc/flash_bwd_api.cpp):
 
     torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, softcap) -> (out, lse)
     torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, ...same...) -> lse   (writes out)
+    torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                            softcap, deterministic) -> (dq, dk, dv)
     torch.ops.flash_ext.build_info() -> str
 
-This module adds what torch.compile needs (fake kernels: shapes, dtypes and strides of the
-outputs, without running anything) and the autograd formula. There is no backward kernel yet,
-so the backward raises NotImplementedError, at backward time, in eager and compiled code
-alike; a gradient is never silently wrong or zero.
+This module adds, in Python:
 
-The ops take inputs already prepared by flash_ext.attn_fwd (head dim a multiple of 8, strides
-multiples of 8); call that, not these, unless you know the contract (docs/architecture.md).
+- fake kernels for fwd, fwd_out and bwd (what torch.compile needs: shapes, dtypes and strides of
+  the outputs, without running anything);
+- ``flash_ext::attn``, a Python custom op with the schema of ``fwd`` plus ``bool deterministic``.
+  It runs ``fwd`` (or, for calls with no query row or no key, makes the trivial result without a
+  launch) and exists so that the backward's ``deterministic`` flag, which the forward kernel
+  does not need, is an argument of the op the autograd graph records. flash_ext.attn_fwd calls
+  it whenever a gradient may be needed, and ``fwd`` itself otherwise (one dispatch less);
+- the autograd formula of ``flash_ext::attn`` and of ``flash_ext::fwd`` (which then uses
+  deterministic=False): save q, k, v, out, lse; the backward calls ``flash_ext::bwd``.
+  ``lse`` is marked non-differentiable (like FlashAttention, no gradient flows through it);
+  gradients with respect to softmax_scale and softcap are not computed (they are plain floats).
+  ``fwd_out`` is not differentiable (flash_ext.attn_fwd rejects out= with inputs that require
+  grad, with a clear error).
+
+The ops take inputs already prepared by flash_ext.attn_fwd / attn_bwd (head dim a multiple of
+8, strides multiples of 8); call those, not these, unless you know the contract
+(docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -33,10 +48,27 @@ except ImportError as _err:  # pragma: no cover - depends on the build
         "built in place) is not shadowing it, e.g. when running from the repository root. "
         f"Original error: {_err}") from _err
 
-__all__ = ["_fwd", "_fwd_out", "build_info", "BACKWARD_NOT_IMPLEMENTED"]
+__all__ = ["_fwd", "_fwd_out", "_attn", "_bwd", "build_info"]
 
-BACKWARD_NOT_IMPLEMENTED = (
-    "flash_ext: the backward pass is not implemented yet (coming in the next release)")
+# The ops need 16-byte aligned rows: every stride but the last, and the storage offset, a
+# multiple of 8 elements (fp16/bf16); and the head dim a multiple of 8.
+_ALIGN = 8
+
+
+def _is_aligned(t: torch.Tensor) -> bool:
+    if t.stride(-1) != 1:
+        return False
+    # Dynamo cannot trace storage_offset(); under torch.compile the C++ op's own check of the
+    # data pointer's alignment is the safety net for (rare) odd offsets.
+    if not torch.compiler.is_compiling() and t.storage_offset() % _ALIGN != 0:
+        return False
+    return all(s % _ALIGN == 0 for s in t.stride()[:-1])
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t itself if the op can read it in place, else a fresh row-major copy. (clone with
+    contiguous_format, not .contiguous(): the latter keeps odd strides of size-1 dims.)"""
+    return t if _is_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _lse_shape(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]):
@@ -45,9 +77,20 @@ def _lse_shape(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]):
     return (q.shape[0], q.shape[2], q.shape[1])  # q (b, sq, hq, d) -> lse (b, hq, sq)
 
 
+def _nothing_to_do(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q: int,
+                   max_seqlen_k: int) -> bool:
+    """No query row, or no key at all (then every row sees nothing: out 0, lse -inf, zero
+    gradients). Nothing is launched for such calls."""
+    if varlen:
+        return q.shape[0] == 0 or max_seqlen_q == 0 or k.shape[0] == 0 or max_seqlen_k == 0
+    return q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0
+
+
 # ----------------------------------------------------------------------------------------------
-# Fake kernels. The real op allocates out contiguous with q's shape and dtype (whatever q's
-# strides) and lse contiguous float32; these must describe exactly that.
+# Fake kernels. The real fwd allocates out contiguous with q's shape and dtype (whatever q's
+# strides) and lse contiguous float32; the real bwd returns new contiguous dq, dk, dv shaped
+# like q, k, v in q's dtype. These must describe exactly that (new_empty(shape) is contiguous;
+# empty_like would copy the strides of a strided q).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -65,39 +108,88 @@ def _fwd_out_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     return q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
+@torch.library.register_fake("flash_ext::bwd")
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+
+
 # ----------------------------------------------------------------------------------------------
-# Autograd: the backward raises. It goes through a tiny op whose real kernel raises and whose
-# fake kernel returns gradient-shaped tensors, so that AOTAutograd (torch.compile) can trace the
-# backward graph at compile time and the error comes when the backward actually runs.
+# flash_ext::attn: fwd with the backward's `deterministic` flag as an argument
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flash_ext::_backward_not_implemented", mutates_args=())
-def _backward_not_implemented(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    raise NotImplementedError(BACKWARD_NOT_IMPLEMENTED)
+@torch.library.custom_op("flash_ext::attn", mutates_args=())
+def _attn_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+          max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+          window_left: int, window_right: int, softcap: float,
+          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of the differentiable path: (out, lse) exactly as fwd returns them."""
+    if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full(_lse_shape(q, cu_seqlens_q), float("-inf"), dtype=torch.float32,
+                         device=q.device)
+        return out, lse
+    return torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                                   softcap)
 
 
-@_backward_not_implemented.register_fake
-def _(grad_out, q, k, v):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+@_attn_def.register_fake
+def _attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+               causal, window_left, window_right, softcap, deterministic):
+    return _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, window_left, window_right, softcap)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output, deterministic: bool):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+     window_left, window_right, softcap) = inputs[:12]
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                softcap, deterministic)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v = inputs[:3]
-    ctx.save_for_backward(q, k, v)
+    _setup_context(ctx, inputs, output, deterministic=False)
+
+
+def _attn_setup_context(ctx, inputs, output):
+    _setup_context(ctx, inputs, output, deterministic=bool(inputs[12]))
+
+
+def _grads(ctx, grad_out):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+     deterministic) = ctx.args
+    if grad_out is None:  # out does not reach the loss
+        grad_out = torch.zeros_like(out)
+    if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return _bwd(_aligned(grad_out), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                deterministic)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(q)
-    dq, dk, dv = torch.ops.flash_ext._backward_not_implemented(grad_out, q, k, v)
-    # One gradient slot per op argument (12); the non-tensor ones get None.
-    return (dq, dk, dv) + (None,) * 9
+    # One gradient slot per op argument (12); the non-tensor ones and cu_seqlens get None.
+    return tuple(_grads(ctx, grad_out)) + (None,) * 9
+
+
+def _attn_backward(ctx, grad_out, grad_lse):
+    return tuple(_grads(ctx, grad_out)) + (None,) * 10  # 13 arguments
 
 
 torch.library.register_autograd("flash_ext::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+_attn_def.register_autograd(_attn_backward, setup_context=_attn_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,6 +212,24 @@ def _fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_se
     return torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, softmax_scale, causal, window_left,
                                        window_right, softcap)
+
+
+def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+          softmax_scale: float, causal: bool, window_left: int, window_right: int,
+          softcap: float, deterministic: bool):
+    """torch.ops.flash_ext.attn (differentiable): returns (out, lse)."""
+    return torch.ops.flash_ext.attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, softmax_scale, causal, window_left,
+                                    window_right, softcap, deterministic)
+
+
+def _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+         max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+         window_right: int, softcap: float, deterministic: bool):
+    """torch.ops.flash_ext.bwd: returns (dq, dk, dv), new contiguous tensors."""
+    return torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                   max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                                   window_right, softcap, deterministic)
 
 
 def build_info() -> str:

@@ -15,6 +15,15 @@ def test_flops():
         bench.attention_flops(1, 1, 1, 1, 1, False, direction="sideways")
 
 
+def test_flops_directions():
+    fwd = bench.attention_flops(2, 16, 1024, 1024, 128, causal=True)
+    assert bench.attention_flops(2, 16, 1024, 1024, 128, True, direction="bwd") == 2.5 * fwd
+    assert bench.attention_flops(2, 16, 1024, 1024, 128, True, direction="fwdbwd") == 3.5 * fwd
+    c = bench.Config("bf16", 64, 1024, False, "bwd")
+    assert c.flops == 2.5 * bench.Config("bf16", 64, 1024, False).flops
+    assert c.name.startswith("bwd ")
+
+
 def test_tflops_and_ratio():
     assert bench.tflops_per_s(1e12, 1000.0) == pytest.approx(1.0)
     assert bench.tflops_per_s(5e12, 10.0) == pytest.approx(500.0)
@@ -36,6 +45,8 @@ def test_make_configs():
     cfgs = bench.make_configs(["bf16", "fp16"], [64, 128], [1024, 2048], [False, True])
     assert len(cfgs) == 16 and len(set(cfgs)) == 16
     assert {c.direction for c in cfgs} == {"fwd"}
+    cfgs = bench.make_configs(["bf16"], [64], [1024, 2048], [False], ["fwd", "bwd", "fwdbwd"])
+    assert [c.direction for c in cfgs] == ["fwd", "fwd", "bwd", "bwd", "fwdbwd", "fwdbwd"]
 
 
 def test_parse_args_quick_and_lists():
@@ -48,8 +59,27 @@ def test_parse_args_quick_and_lists():
     assert a.causal_modes == [True] and a.reps == 7 and a.out == "x"
     a = bench.parse_args([])
     assert a.dtypes == ["bf16", "fp16"] and a.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    assert a.directions == ["fwd", "bwd", "fwdbwd"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--dtypes", "fp32"])
+
+
+def test_parse_directions():
+    assert bench.parse_args(["--quick"]).directions == ["fwd", "bwd", "fwdbwd"]
+    assert bench.parse_args(["--directions", "bwd"]).directions == ["bwd"]
+    assert bench.parse_args(["--directions", "fwdbwd, fwd,fwd"]).directions == ["fwdbwd", "fwd"]
+    for bad in ("sideways", ",", "fwd,back"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--directions", bad])
+
+
+def test_make_backend_fn_rejects_unknown():
+    import torch
+    x = torch.zeros(1, 8, 1, 8)
+    with pytest.raises(ValueError, match="unknown direction"):
+        bench.make_backend_fn("flash_ext", "sideways", x, x, x, False)
+    with pytest.raises(ValueError, match="unknown backend"):
+        bench.make_backend_fn("nope", "fwd", x, x, x, False)
 
 
 def test_format_table_and_json():

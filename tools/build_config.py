@@ -100,10 +100,13 @@ FAMILIES: tuple[Family, ...] = (
         header="sm80/bwd_launch.cuh",
         function="flash_ext::run_bwd_sm80<{hdim}, {is_bf16}>(flash_ext::BwdParams&, cudaStream_t)",
     ),
-    # Later, e.g.:
-    # Family("fwd_sm90", "sm90/fwd_launch.cuh",
-    #        "flash_ext::run_fwd_sm90<{hdim}, {is_bf16}>(flash_ext::FwdParams&, cudaStream_t)",
-    #        needs_arch="90a"),
+    Family(
+        name="fwd_sm90",
+        header="sm90/fwd_launch.cuh",
+        function="flash_ext::run_fwd_sm90<{hdim}, {is_bf16}>(flash_ext::FwdParams&, cudaStream_t)",
+        hdims=(64, 96, 128, 192, 256),
+        needs_arch="90a",
+    ),
 )
 
 

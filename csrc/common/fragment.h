@@ -52,3 +52,30 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 }  // namespace flash_ext
+
+namespace flash_ext {
+
+// Hopper (wgmma) accumulators: a warpgroup's 64 x N tile gives each thread values
+// ((2 cols, 2 row halves, N/8 column groups), MMA_M, MMA_N); rows are again shared by a quad.
+// ((2,2,J), M, N) -> ((2 row halves, M) rows, ((2 cols, J), N) cols).
+template <typename Layout>
+__device__ __forceinline__ constexpr auto gmma_acc_as_rows_cols(Layout l) {
+  using namespace cute;
+  static_assert(rank(Layout{}) == 3 && rank(get<0>(Layout{})) == 3);
+  auto v = get<0>(l);
+  return make_layout(make_layout(get<1>(v), get<1>(l)),
+                     make_layout(make_layout(get<0>(v), get<2>(v)), get<2>(l)));
+}
+
+// wgmma accumulator of S -> register A operand of the next wgmma (P V): each 16-wide k-slice is
+// two adjacent 8-column groups. ((2,2,J), 1, 1) -> ((2,2,2), 1, J/2).
+template <typename AccLayout>
+__device__ __forceinline__ constexpr auto gmma_acc_as_rs_a(AccLayout l) {
+  using namespace cute;
+  static_assert(rank(AccLayout{}) == 3 && size<1>(AccLayout{}) == 1 && size<2>(AccLayout{}) == 1);
+  auto v = get<0>(l);
+  auto j = logical_divide(get<2>(v), Layout<_2>{});  // (2, J/2)
+  return make_layout(make_layout(get<0>(v), get<1>(v), get<0>(j)), get<1>(l), get<1>(j));
+}
+
+}  // namespace flash_ext

@@ -11,3 +11,11 @@ template <int kHeadDim, bool kIsBf16>
 void run_fwd_sm80(FwdParams& params, cudaStream_t stream);
 
 }  // namespace flash_ext
+
+namespace flash_ext {
+
+// FlashAttention-3 style kernel (TMA, wgmma, warp specialization); sm_90a only.
+template <int kHeadDim, bool kIsBf16>
+void run_fwd_sm90(FwdParams& params, cudaStream_t stream);
+
+}  // namespace flash_ext

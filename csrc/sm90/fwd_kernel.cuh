@@ -1,0 +1,237 @@
+// Hopper forward (FlashAttention-3 design): warp-specialized, TMA + wgmma.
+//
+// CTA = one producer warpgroup + kConsumerWGs consumer warpgroups (64 query rows each).
+// The producer's first thread issues TMA loads: Q once, then K and V of each visible key block
+// into kStages-deep shared-memory rings guarded by mbarrier pipelines. Consumers run
+// S = Q K^T (wgmma, both operands in shared memory), the mask and the online softmax in
+// registers, then O += P V (wgmma with P from registers), releasing each stage as soon as the
+// GEMM that read it has completed. setmaxnreg hands the producer's registers to the consumers.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "common/fragment.h"
+#include "common/mask.h"
+#include "common/seqlen.h"
+#include "common/softmax.h"
+#include "params.h"
+#include "sm90/kernel_traits.h"
+
+namespace flash_ext::sm90 {
+
+using namespace cute;
+
+// Everything the kernel needs, passed by value as a __grid_constant__ parameter: the plain
+// params and the TMA descriptors built on the host.
+template <typename Traits>
+struct FwdArgs {
+  using Element = typename Traits::Element;
+  using TensorShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, heads, batch)
+  using TensorStride = cute::Stride<int64_t, _1, int64_t, int64_t>;
+  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                       TensorShape{}, TensorStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, typename Traits::SmemLayoutQ{},
+                                      Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{},
+                                       take<0, 2>(typename Traits::SmemLayoutKV{}),
+                                       Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
+  FwdParams p;
+  TmaQ tma_q;
+  TmaKV tma_k, tma_v;
+  TensorShape shape_q, shape_k;
+};
+
+// One warpgroup GEMM: issue all k-slices, wait for completion. kZeroInit overwrites acc;
+// kRegA: A comes from registers (P), not from a shared-memory descriptor.
+template <bool kZeroInit, bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA& a, const TB& b, TC& acc) {
+  warpgroup_fence_operand(acc);
+  if constexpr (kRegA) warpgroup_fence_operand(a);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if constexpr (kRegA) warpgroup_fence_operand(a);
+}
+
+template <typename Traits, bool kHasWindow>
+__global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  const FwdParams& p = args.p;
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks first
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SeqInfo seq(p, batch);
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // uniform over the CTA, before any barrier
+  const int head_kv = head / (p.heads_q / p.heads_kv);
+  const int rows_q = seq.seqlen_q - m_block * kBlockM;
+
+  const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left,
+                                                      p.window_right);
+  int n_min, n_max;
+  mask.key_block_range(m_block, n_min, n_max);
+
+  const int warp_group = threadIdx.x / 128;  // 0: producer
+  const bool varlen = p.cu_seqlens_q != nullptr;
+
+  // Barriers: Q has its own (loaded once); K and V each have a full/empty ring.
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.barrier_q, 1);
+  }
+  typename Pipeline::Params pipe_params;
+  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Traits::kMmaThreads;
+  pipe_params.transaction_bytes = Traits::kTmaBytesKV;
+  Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
+
+  if (warp_group == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x != 0 || n_min >= n_max) return;
+    const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
+    const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
+    const int b = varlen ? 0 : batch;
+    Tensor mQ = domain_offset(make_coord(q_start, _0{}),
+                              args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, b));
+    Tensor mK = domain_offset(make_coord(k_start, _0{}),
+                              args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
+    Tensor mV = domain_offset(make_coord(k_start, _0{}),
+                              args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.barrier_q, Traits::kTmaBytesQ);
+    copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);
+    PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    for (int n_block = n_max - 1; n_block >= n_min; --n_block) {
+      pipeline_k.producer_acquire(write_k);
+      copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
+      ++write_k;
+      pipeline_v.producer_acquire(write_v);
+      copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
+      ++write_v;
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int mma_tid = threadIdx.x - 128;
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(mma_tid);
+  auto thr_pv = mma_pv.get_thread_slice(mma_tid);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);
+  Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor o_rows = make_tensor(acc_o.data(), gmma_acc_as_rows_cols(acc_o.layout()));
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rows = make_tensor(cS.data(), gmma_acc_as_rows_cols(cS.layout()));
+
+  constexpr int kRows = decltype(size<0>(o_rows))::value;
+  OnlineSoftmax<kRows> softmax;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    softmax.row_max[r] = -INFINITY;
+    softmax.row_sum[r] = 0.f;
+  }
+  clear(acc_o);
+  const float scale_log2 = p.softmax_scale_log2;
+  const bool use_softcap = p.softcap > 0.f;
+
+  if (n_min < n_max) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_q, 0);
+    PipelineState read_k, read_v;
+    bool first = true;
+    for (int n_block = n_max - 1; n_block >= n_min; --n_block) {
+      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipeline_k.consumer_wait(read_k);
+      warpgroup_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+      pipeline_k.consumer_release(read_k);
+      ++read_k;
+
+      if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
+      Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
+      if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
+      if (first) {
+        softmax.template update<true>(scores, o_rows, scale_log2);
+      } else {
+        softmax.template update<false>(scores, o_rows, scale_log2);
+      }
+      first = false;
+
+      Tensor rP = make_tensor_like<Element>(acc_s);
+      convert_into(rP, acc_s);
+      Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
+      pipeline_v.consumer_wait(read_v);
+      warpgroup_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+      pipeline_v.consumer_release(read_v);
+      ++read_v;
+    }
+  }
+
+  // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.
+  float lse[kRows];
+  softmax.finalize(o_rows, scale_log2, lse);
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cO_rows = make_tensor(cO.data(), gmma_acc_as_rows_cols(cO.layout()));
+  const int64_t q_row0 = int64_t(m_block) * kBlockM;
+  Element* o_tile = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride + q_row0 * p.o_row_stride;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
+    const int row = get<0>(cO(i)), col = get<1>(cO(i));
+    if (row < rows_q && col < p.head_dim) {
+      cutlass::Array<Element, 2> pair;
+      pair[0] = Element(acc_o(i));
+      pair[1] = Element(acc_o(i + 1));
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(o_tile + row * p.o_row_stride + col) = pair;
+    }
+  }
+  if (get<1>(cO_rows(0, 0)) == 0) {
+    float* lse_out = p.lse + seq.lse_offset + head * p.lse_head_stride + q_row0;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = get<0>(cO_rows(r, 0));
+      if (row < rows_q) lse_out[row] = lse[r];
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace flash_ext::sm90

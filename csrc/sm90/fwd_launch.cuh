@@ -1,0 +1,70 @@
+// Host side of the Hopper forward: TMA descriptors (built through CUTLASS, which reaches
+// cuTensorMapEncodeTiled via the runtime's driver entry point, so nothing links libcuda), the
+// tile configuration per head dim (docs/kernels-sm90.md) and the launch.
+#pragma once
+#include <cuda_runtime.h>
+#include <cutlass/numeric_types.h>
+
+#include "dispatch/fwd_dispatch.h"
+#include "sm90/fwd_kernel.cuh"
+
+namespace flash_ext {
+
+namespace sm90 {
+
+template <typename Traits, bool kHasWindow>
+void launch_fwd(FwdParams& p, cudaStream_t stream) {
+  using Args = FwdArgs<Traits>;
+  using Element = typename Traits::Element;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  Args args;
+  args.p = p;
+  // Varlen tensors are one packed "batch"; a CTA offsets its TMA coordinates by cu_seqlens.
+  args.shape_q = make_shape(varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads_q, varlen ? 1 : p.batch);
+  args.shape_k = make_shape(varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, varlen ? 1 : p.batch);
+  auto gtensor = [&](const void* ptr, auto shape, int64_t row, int64_t head, int64_t batch) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
+                       make_stride(row, _1{}, head, varlen ? int64_t(0) : batch));
+  };
+  args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.q, args.shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride),
+                             typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+  args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.k, args.shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride),
+                             take<0, 2>(typename Traits::SmemLayoutKV{}),
+                             Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
+  args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
+                             take<0, 2>(typename Traits::SmemLayoutKV{}),
+                             Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
+
+  auto kernel = &fwd_kernel<Traits, kHasWindow>;
+  constexpr int smem = Traits::kSmemBytes;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
+  kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
+}
+
+template <typename Traits>
+void launch_fwd(FwdParams& p, cudaStream_t stream) {
+  if (p.has_window) {
+    launch_fwd<Traits, true>(p, stream);
+  } else {
+    launch_fwd<Traits, false>(p, stream);
+  }
+}
+
+}  // namespace sm90
+
+template <int kHeadDim, bool kIsBf16>
+void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
+  using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
+  using sm90::FwdTraits;
+  // (head dim, kBlockM, kBlockN, stages): see docs/kernels-sm90.md for the budget.
+  if constexpr (kHeadDim <= 64) {
+    sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
+  } else if constexpr (kHeadDim <= 128) {
+    sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
+  } else {
+    sm90::launch_fwd<FwdTraits<kHeadDim, 128, 64, 2, Element>>(p, stream);
+  }
+}
+
+}  // namespace flash_ext

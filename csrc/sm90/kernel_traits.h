@@ -1,0 +1,64 @@
+// Tiles, shared-memory layouts, MMAs and pipelines of the Hopper forward (see docs/kernels-sm90.md).
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+namespace flash_ext::sm90 {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;   // 64 rows per consumer warpgroup
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;   // K and V ring depth
+  static constexpr int kConsumerWGs = kBlockM / 64;
+  static constexpr int kMmaThreads = kConsumerWGs * 128;
+  static constexpr int kThreads = kMmaThreads + 128;  // + one producer warpgroup
+  // setmaxnreg: the producer gives its registers to the consumers (sum * 128 <= 64K).
+  static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+
+  // Split-Q by warpgroup: consumer warpgroup w owns query rows [64w, 64w + 64).
+  using AtomLayout = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  // 128-byte swizzled rows when the head dim allows it (the TMA box and the wgmma descriptors
+  // agree on it), else 64-byte.
+  using SmemAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                      GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V^T (head dim x keys x stages), the MN-major B operand of O += P V.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename cutlass::PipelineState<kStages>;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+    typename Pipeline::SharedStorage pipeline_k;
+    typename Pipeline::SharedStorage pipeline_v;
+    uint64_t barrier_q;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+};
+
+}  // namespace flash_ext::sm90

@@ -1,0 +1,67 @@
+"""The Hopper kernels must run on the tensor cores' Hopper instructions: their SASS shows HGMMA.
+
+Needs the built extension with 90a in FLASH_EXT_ARCHS and cuobjdump (from the CUDA toolkit, or
+`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`). Runs on CPU-only machines (CI).
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import flash_ext
+
+
+def _find_cuobjdump():
+    exe = shutil.which("cuobjdump")
+    if exe:
+        return exe
+    for base in [os.environ.get("CUDA_HOME", "/usr/local/cuda")] + sys.path:
+        for cand in (os.path.join(base, "bin", "cuobjdump"),
+                     os.path.join(base, "nvidia", "cu13", "bin", "cuobjdump")):
+            if os.path.isfile(cand) and os.access(cand, os.X_OK):
+                return cand
+    return None
+
+
+def _extension_path():
+    hits = glob.glob(os.path.join(os.path.dirname(flash_ext.__file__), "_C*.so"))
+    return hits[0] if hits else None
+
+
+def _sass_by_function(so_path, exe):
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(exe) + os.pathsep + env.get("PATH", "")  # cuobjdump runs nvdisasm
+    out = subprocess.run([exe, "--dump-sass", so_path], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    funcs, name = {}, None
+    for line in out.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            funcs[name] = []
+        elif name:
+            funcs[name].append(line)
+    return funcs
+
+
+@pytest.mark.skipif("90a" not in flash_ext.build_info(), reason="this build has no sm_90a kernels")
+def test_sm90_forward_uses_hgmma():
+    exe = _find_cuobjdump()
+    if exe is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    so = _extension_path()
+    assert so, "flash_ext/_C*.so not found next to the package"
+    funcs = _sass_by_function(so, exe)
+    sm90 = {n: body for n, body in funcs.items() if "sm9010fwd_kernel" in n}
+    assert sm90, "no sm90 forward kernel in the extension's SASS"
+    for name, body in sm90.items():
+        text = "\n".join(body)
+        if "EXIT" in text and "HGMMA" not in text and len(body) < 50:
+            continue  # an empty sm_80 stub of the sm90 kernel (its body needs sm_90a)
+        assert "HGMMA" in text, f"{name} has no HGMMA instruction"
+    assert any("HGMMA" in "\n".join(b) for b in sm90.values())
