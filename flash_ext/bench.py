@@ -64,7 +64,9 @@ QUICK_SEQLENS = (1024, 4096, 16384)
 # FLOPs of one call relative to the forward pass (the papers' convention: backward = 2.5 x fwd).
 DIRECTIONS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
-BACKEND_NAMES = ("flash_ext", "sdpa_flash", "sdpa_cudnn")
+# flash_ext_sm80: flash_ext with FLASH_EXT_FWD_PATH=sm80 (the FlashAttention-2 kernel), to compare
+# the two forward paths on Hopper. Same numbers as flash_ext elsewhere.
+BACKEND_NAMES = ("flash_ext", "flash_ext_sm80", "sdpa_flash", "sdpa_cudnn")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,8 +170,8 @@ class Row:
         return d
 
 
-TABLE_COLUMNS = ("config", "flash_ext", "sdpa_flash", "sdpa_cudnn", "ext/flash", "ext/cudnn",
-                 "extra MiB")
+TABLE_COLUMNS = ("config", "flash_ext", "ext_sm80", "sdpa_flash", "sdpa_cudnn", "ext/flash",
+                 "ext/cudnn", "sm80/flash", "extra MiB")
 
 
 def _fmt(x: Optional[float], digits: int = 1) -> str:
@@ -178,8 +180,10 @@ def _fmt(x: Optional[float], digits: int = 1) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     """A fixed-width text table: TFLOP/s per backend, ratios, extra memory."""
-    body = [(r.config, _fmt(r.tflops.get("flash_ext")), _fmt(r.tflops.get("sdpa_flash")),
-             _fmt(r.tflops.get("sdpa_cudnn")), _fmt(r.ratio_flash, 2), _fmt(r.ratio_cudnn, 2),
+    body = [(r.config, _fmt(r.tflops.get("flash_ext")), _fmt(r.tflops.get("flash_ext_sm80")),
+             _fmt(r.tflops.get("sdpa_flash")), _fmt(r.tflops.get("sdpa_cudnn")),
+             _fmt(r.ratio_flash, 2), _fmt(r.ratio_cudnn, 2),
+             _fmt(ratio(r.tflops.get("flash_ext_sm80"), r.tflops.get("sdpa_flash")), 2),
              _fmt(r.extra_mib, 1)) for r in rows]
     widths = [max(len(h), *(len(line[i]) for line in body)) if body else len(h)
               for i, h in enumerate(TABLE_COLUMNS)]
@@ -282,6 +286,20 @@ def _forward_fn(name: str, q, k, v, causal: bool) -> Callable[[], object]:
     if name == "flash_ext":
         import flash_ext
         return lambda: flash_ext.attn_fwd(q, k, v, causal=causal)
+    if name == "flash_ext_sm80":
+        import flash_ext
+
+        def run_sm80():
+            prev = os.environ.get("FLASH_EXT_FWD_PATH")
+            os.environ["FLASH_EXT_FWD_PATH"] = "sm80"  # read by the C++ dispatch at each call
+            try:
+                return flash_ext.attn_fwd(q, k, v, causal=causal)
+            finally:
+                if prev is None:
+                    del os.environ["FLASH_EXT_FWD_PATH"]
+                else:
+                    os.environ["FLASH_EXT_FWD_PATH"] = prev
+        return run_sm80
     from torch.nn.attention import SDPBackend
     if name == "sdpa_flash":
         return _sdpa_fn(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
@@ -357,6 +375,8 @@ def run_config(cfg: Config, reps: int, warmup: int, device="cuda") -> Row:
     row = Row(cfg.name, cfg.dtype, cfg.headdim, cfg.seqlen, cfg.batch, cfg.heads, cfg.causal,
               cfg.direction)
     for name in BACKEND_NAMES:
+        if name == "flash_ext_sm80" and cfg.direction == "bwd":
+            continue  # the backward is the same kernel on both forward paths
         try:
             fn = make_backend_fn(name, cfg.direction, q, k, v, cfg.causal)
             ms = time_ms(fn, reps, warmup)

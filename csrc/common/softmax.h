@@ -17,10 +17,12 @@ struct OnlineSoftmax {
   float row_max[kRows];  // in score units (before scale_log2)
   float row_sum[kRows];  // partial over this thread's columns; reduced across the quad at the end
 
-  // scores, acc_o: (rows, cols) views of this thread's fragments (see acc_as_rows_cols).
-  // On return scores holds the unnormalized probabilities exp2(s * scale_log2 - m * scale_log2).
-  template <bool kFirstBlock, typename TensorS, typename TensorO>
-  __device__ __forceinline__ void update(TensorS& scores, TensorO& acc_o, float scale_log2) {
+  // scores: (rows, cols) view of this thread's score fragment. Updates the running max and sum
+  // and turns scores into the unnormalized probabilities exp2(s * scale_log2 - m * scale_log2).
+  // correction[r] = exp(m_old - m_new) is the factor the output accumulator must be scaled by;
+  // the caller applies it (rescale) when the accumulator is not in use by an in-flight GEMM.
+  template <bool kFirstBlock, typename TensorS>
+  __device__ __forceinline__ void update_scores(TensorS& scores, float scale_log2, float (&correction)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(scores))::value == kRows);
     CUTE_UNROLL
@@ -31,12 +33,7 @@ struct OnlineSoftmax {
       m = quad_max(m);
       // A fully masked row so far: subtract 0 instead of -inf so that exp2 gives 0, not NaN.
       const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
-      if constexpr (!kFirstBlock) {
-        const float correction = exp2f(row_max[r] * scale_log2 - m_scaled);
-        row_sum[r] *= correction;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= correction;
-      }
+      correction[r] = kFirstBlock ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
       row_max[r] = m;
       float sum = 0.f;
       CUTE_UNROLL
@@ -45,8 +42,26 @@ struct OnlineSoftmax {
         scores(r, c) = p;
         sum += p;
       }
-      row_sum[r] = kFirstBlock ? sum : row_sum[r] + sum;
+      row_sum[r] = kFirstBlock ? sum : row_sum[r] * correction[r] + sum;
     }
+  }
+
+  template <typename TensorO>
+  __device__ __forceinline__ void rescale(TensorO& acc_o, const float (&correction)[kRows]) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= correction[r];
+    }
+  }
+
+  // Both steps at once, for kernels whose output accumulator is idle during the softmax.
+  template <bool kFirstBlock, typename TensorS, typename TensorO>
+  __device__ __forceinline__ void update(TensorS& scores, TensorO& acc_o, float scale_log2) {
+    float correction[kRows];
+    update_scores<kFirstBlock>(scores, scale_log2, correction);
+    if constexpr (!kFirstBlock) rescale(acc_o, correction);
   }
 
   // Divides the output by l and returns lse = ln(sum_j exp(s_j * scale)) per row (-inf when the

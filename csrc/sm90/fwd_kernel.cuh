@@ -43,10 +43,10 @@ struct FwdArgs {
   TensorShape shape_q, shape_k;
 };
 
-// One warpgroup GEMM: issue all k-slices, wait for completion. kZeroInit overwrites acc;
-// kRegA: A comes from registers (P), not from a shared-memory descriptor.
+// Issues one warpgroup GEMM (all k-slices) as one wgmma batch, without waiting for it.
+// kZeroInit overwrites acc; kRegA: A comes from registers (P), not a shared-memory descriptor.
 template <bool kZeroInit, bool kRegA, typename TiledMma, typename TA, typename TB, typename TC>
-__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA& a, const TB& b, TC& acc) {
+__device__ __forceinline__ void warpgroup_gemm_issue(TiledMma& mma, TA& a, const TB& b, TC& acc) {
   warpgroup_fence_operand(acc);
   if constexpr (kRegA) warpgroup_fence_operand(a);
   warpgroup_arrive();
@@ -57,7 +57,6 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA& a, const TB& b
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
   if constexpr (kRegA) warpgroup_fence_operand(a);
 }
@@ -175,35 +174,57 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const float scale_log2 = p.softmax_scale_log2;
   const bool use_softcap = p.softcap > 0.f;
 
+  // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
+  // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
   if (n_min < n_max) {
     cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_q, 0);
     PipelineState read_k, read_v;
-    bool first = true;
-    for (int n_block = n_max - 1; n_block >= n_min; --n_block) {
-      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      pipeline_k.consumer_wait(read_k);
-      warpgroup_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-      pipeline_k.consumer_release(read_k);
-      ++read_k;
+    Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
+    Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
+    float correction[kRows];
 
+    auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
       if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
       Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
       if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
-      if (first) {
-        softmax.template update<true>(scores, o_rows, scale_log2);
-      } else {
-        softmax.template update<false>(scores, o_rows, scale_log2);
-      }
-      first = false;
+      softmax.template update_scores<decltype(is_first)::value>(scores, scale_log2, correction);
+    };
 
-      Tensor rP = make_tensor_like<Element>(acc_s);
+    int n_block = n_max - 1;
+    {
+      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipeline_k.consumer_wait(read_k);
+      warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      pipeline_k.consumer_release(read_k);
+      ++read_k;
+      scores_to_probs(acc_s, n_block, cute::true_type{});
       convert_into(rP, acc_s);
-      Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
+    }
+    for (--n_block; n_block >= n_min; --n_block) {
+      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipeline_k.consumer_wait(read_k);
+      warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
       pipeline_v.consumer_wait(read_v);
-      warpgroup_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+      warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+      warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
+      warpgroup_fence_operand(acc_s);
+      pipeline_k.consumer_release(read_k);
+      ++read_k;
+      scores_to_probs(acc_s, n_block, cute::false_type{});
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
       pipeline_v.consumer_release(read_v);
       ++read_v;
+      softmax.rescale(o_rows, correction);
+      convert_into(rP, acc_s);
     }
+    pipeline_v.consumer_wait(read_v);
+    warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_o);
+    pipeline_v.consumer_release(read_v);
   }
 
   // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.
