@@ -43,6 +43,10 @@ struct FwdParams {
   bool has_window;
 
   bool is_bf16;
+
+  // Hopper kernel: order the two consumer warpgroups' GEMMs (ping-pong). On by default;
+  // FLASH_EXT_SM90_PINGPONG=0 turns it off (for measurements).
+  bool sm90_pingpong;
 };
 
 }  // namespace flash_ext

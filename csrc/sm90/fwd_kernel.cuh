@@ -7,6 +7,10 @@
 // registers, then O += P V (wgmma with P from registers), releasing each stage as soon as the
 // GEMM that read it has completed. setmaxnreg hands the producer's registers to the consumers.
 #pragma once
+// wgmma tile widths such as 176 are behind this switch in CuTe; it must precede every CuTe include.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -59,6 +63,14 @@ __device__ __forceinline__ void warpgroup_gemm_issue(TiledMma& mma, TA& a, const
   warpgroup_commit_batch();
   warpgroup_fence_operand(acc);
   if constexpr (kRegA) warpgroup_fence_operand(a);
+}
+
+// Named barriers 1 and 2 order the two consumer warpgroups' GEMM issue (ping-pong).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <typename Traits, bool kHasWindow>
@@ -176,7 +188,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
 
   // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
   // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
+  // Ping-pong (two consumer warpgroups): a warpgroup issues its GEMMs only in its turn and then
+  // hands the turn over, so one warpgroup's softmax runs under the other's GEMMs. Turns are
+  // named barriers: warpgroup w syncs on barrier 1 + w; the other arrives on it.
+  const bool pingpong = Traits::kConsumerWGs == 2 && p.sm90_pingpong;
+  const int consumer_wg = warp_group - 1;
+  auto turn_begin = [&]() { if (pingpong) named_barrier_sync(1 + consumer_wg, 256); };
+  auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (1 - consumer_wg), 256); };
+
   if (n_min < n_max) {
+    if (pingpong && consumer_wg == 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
     cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_q, 0);
     PipelineState read_k, read_v;
     Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
@@ -194,7 +215,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     {
       Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
       pipeline_k.consumer_wait(read_k);
+      turn_begin();
       warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+      turn_end();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
       pipeline_k.consumer_release(read_k);
@@ -205,9 +228,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     for (--n_block; n_block >= n_min; --n_block) {
       Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
       pipeline_k.consumer_wait(read_k);
-      warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
       pipeline_v.consumer_wait(read_v);
+      turn_begin();
+      warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
       warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+      turn_end();
       warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
       warpgroup_fence_operand(acc_s);
       pipeline_k.consumer_release(read_k);
@@ -221,10 +246,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       convert_into(rP, acc_s);
     }
     pipeline_v.consumer_wait(read_v);
+    turn_begin();
     warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+    turn_end();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
     pipeline_v.consumer_release(read_v);
+    if (pingpong && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
   }
 
   // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.

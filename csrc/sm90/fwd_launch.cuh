@@ -61,6 +61,7 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim <= 64) {
     sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
   } else if constexpr (kHeadDim <= 128) {
+    // 128 x 176 was measured too (docs/perf-notes.md): no clear win, so 128 x 128.
     sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
   } else {
     sm90::launch_fwd<FwdTraits<kHeadDim, 128, 64, 2, Element>>(p, stream);
