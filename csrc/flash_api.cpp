@@ -280,6 +280,8 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.has_window = window_left >= 0 || window_right >= 0;
   const char* pingpong = std::getenv("FLASH_EXT_SM90_PINGPONG");
   p.sm90_pingpong = !(pingpong && std::string(pingpong) == "0");
+  const char* persistent = std::getenv("FLASH_EXT_SM90_PERSISTENT");
+  p.sm90_persistent = persistent ? (std::string(persistent) == "0" ? 0 : 1) : -1;
 
   at::Tensor lse;
   const int r = varlen ? 0 : 1;  // index of the seqlen dim

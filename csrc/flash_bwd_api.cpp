@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -170,6 +171,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   p.window_right = int(window_right);
   p.has_window = window_left >= 0 || window_right >= 0;
   p.deterministic = deterministic;
+  {
+    // FLASH_EXT_BWD_VARIANT=2 selects the pipelined main kernel (docs/kernels-sm80-bwd.md).
+    const char* variant = std::getenv("FLASH_EXT_BWD_VARIANT");
+    p.variant = (variant != nullptr && variant[0] == '2' && variant[1] == '\0') ? 2 : 1;
+  }
 
   const int r = varlen ? 0 : 1;  // index of the seqlen dim
   p.q_row_stride = q.stride(r);

@@ -47,6 +47,9 @@ struct FwdParams {
   // Hopper kernel: order the two consumer warpgroups' GEMMs (ping-pong). On by default;
   // FLASH_EXT_SM90_PINGPONG=0 turns it off (for measurements).
   bool sm90_pingpong;
+  // Hopper kernel grid: -1 auto (persistent without a mask), 0 one CTA per tile, 1 persistent.
+  // FLASH_EXT_SM90_PERSISTENT=0/1 forces it (for measurements and tests).
+  int sm90_persistent;
 };
 
 }  // namespace flash_ext

@@ -44,15 +44,20 @@ def _fwd_paths():
     paths = ["sm80"]
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 \
             and "90a" in flash_ext.build_info():
-        paths.append("sm90")
+        # The Hopper kernel with its default grid, and with each grid forced (persistent, one
+        # CTA per tile), so both schedules are covered under every mask.
+        paths += ["sm90", "sm90-persist", "sm90-pertile"]
     return paths
 
 
 @pytest.fixture(autouse=True, params=_fwd_paths())
 def fwd_path(request, monkeypatch):
     """Every test runs once per forward path (FLASH_EXT_FWD_PATH forces the dispatch)."""
-    monkeypatch.setenv("FLASH_EXT_FWD_PATH", request.param)
-    return request.param
+    path = request.param
+    monkeypatch.setenv("FLASH_EXT_FWD_PATH", path.split("-")[0])
+    if path in ("sm90-persist", "sm90-pertile"):
+        monkeypatch.setenv("FLASH_EXT_SM90_PERSISTENT", "1" if path == "sm90-persist" else "0")
+    return path
 
 
 @pytest.fixture(autouse=True)

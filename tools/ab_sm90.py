@@ -26,7 +26,9 @@ def time_ms(fn, reps=20, warmup=5):
 
 
 VARIANTS = {
-    "pp": {"FLASH_EXT_SM90_PINGPONG": "1"},
+    "auto": {},
+    "persist": {"FLASH_EXT_SM90_PERSISTENT": "1"},
+    "per_tile": {"FLASH_EXT_SM90_PERSISTENT": "0"},
     "nopp": {"FLASH_EXT_SM90_PINGPONG": "0"},
 }
 print(f"{'config':28s} " + " ".join(f"{k:>9s}" for k in VARIANTS) + f" {'cudnn':>9s}")

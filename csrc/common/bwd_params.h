@@ -34,6 +34,10 @@ struct BwdParams : FwdParams {
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 
   bool deterministic;
+
+  // Main-kernel variant: 1 = bwd_kernel (default), 2 = bwd_kernel_v2 (double-buffered Q/dO; falls
+  // back to 1 where it is not compiled or does not fit). Set from FLASH_EXT_BWD_VARIANT per call.
+  int variant;
 };
 
 }  // namespace flash_ext

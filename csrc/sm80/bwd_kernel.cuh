@@ -372,4 +372,335 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   store_tile(gmem_thr.partition_S(sV), tdVgdV, tKVc, rows_k, p.head_dim);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Variant 2 (FLASH_EXT_BWD_VARIANT=2; docs/kernels-sm80-bwd.md, "Variant 2"). Same math and the
+// same per-element operations as bwd_kernel (results are identical up to the order of the dQ
+// atomics), with a software pipeline across query blocks:
+//   - Q, dO, lse and D are double-buffered in shared memory. Block i+1's loads are issued right
+//     after the barrier that opens block i and have a whole block's GEMMs to land, so S = Q K^T
+//     never waits on global memory after the first block.
+//   - Two barriers per query block instead of four: "block i's data landed and every warp is done
+//     with block i-1" (which also frees the buffers the prefetch and the P/dS stores overwrite),
+//     and "P and dS visible".
+//   - dQ: on sm_90 two adjacent columns per 64-bit vector atomic (red.global.add.v2.f32); sm_80
+//     keeps scalar atomics. Deterministic mode: 64-bit plain stores into the CTA's own slice.
+// ---------------------------------------------------------------------------------------------
+
+// cp.async of one fp32 (4 bytes), zero-filled when !pred (the source is then not read).
+__device__ __forceinline__ void cp_async_4_zfill(void* smem_dst, const void* gmem_src, bool pred) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  const int src_bytes = pred ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(src_bytes));
+}
+
+// dst[0..1] += (a, b) (atomic mode) or dst[0..1] = (a, b) (deterministic: own slice). dst is
+// 8-byte aligned (even column, even row strides: the accumulator is contiguous with d % 8 == 0).
+__device__ __forceinline__ void dq_accumulate2(float* dst, float a, float b, bool deterministic) {
+  if (deterministic) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+  }
+}
+
+// A tensor (a partition of buffer 0) moved to the same position in another buffer `offset`
+// elements further on. Exact for swizzled layouts because offset is a multiple of the swizzle
+// period (static_assert in BwdTraits).
+template <typename T>
+__device__ __forceinline__ auto shifted(const T& t, int offset) {
+  return make_tensor(t.data() + offset, t.layout());
+}
+
+template <typename Traits, bool kHasWindow>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __grid_constant__ BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kQElems = Traits::kSmemQElems;
+
+  extern __shared__ __align__(128) char smem_raw[];
+
+  const int n_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int tid = threadIdx.x;
+
+  const SeqInfo seq(p, batch);
+  if (n_block * kBlockN >= seq.seqlen_k) return;
+  const BwdSeqOffsets off(p, batch);
+  const int head_kv = head / (p.heads_q / p.heads_kv);
+  const int rows_k = seq.seqlen_k - n_block * kBlockN;  // valid key rows of this CTA
+
+  const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left,
+                                                      p.window_right);
+  int m_min, m_max;
+  query_block_range(mask, n_block, m_min, m_max);
+
+  // Global memory views.
+  const Element* q_base = static_cast<const Element*>(p.q) + seq.q_offset + head * p.q_head_stride;
+  const Element* k_base = static_cast<const Element*>(p.k) + seq.k_offset + head_kv * p.k_head_stride;
+  const Element* v_base = static_cast<const Element*>(p.v) + seq.v_offset + head_kv * p.v_head_stride;
+  const Element* do_base = static_cast<const Element*>(p.dout) + off.do_offset + head * p.do_head_stride;
+  const float* lse_base = p.lse + seq.lse_offset + head * p.lse_head_stride;
+  const float* dsum_base = p.dsum + seq.lse_offset + head * p.lse_head_stride;
+  float* dqa_base = p.dq_accum + off.dqa_offset + head * p.dqa_head_stride +
+                    (p.deterministic ? int64_t(n_block) * p.dq_split_stride : 0);
+  Element* dk_base = static_cast<Element*>(p.dk) + off.dk_offset + head * p.dk_head_stride;
+  Element* dv_base = static_cast<Element*>(p.dv) + off.dv_offset + head * p.dv_head_stride;
+
+  const int64_t k_row0 = int64_t(n_block) * kBlockN;
+  Tensor gK = make_tensor(make_gmem_ptr(k_base + k_row0 * p.k_row_stride),
+                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.k_row_stride, _1{}));
+  Tensor gV = make_tensor(make_gmem_ptr(v_base + k_row0 * p.v_row_stride),
+                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.v_row_stride, _1{}));
+  Tensor gdK = make_tensor(make_gmem_ptr(dk_base + k_row0 * p.dk_row_stride),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.dk_row_stride, _1{}));
+  Tensor gdV = make_tensor(make_gmem_ptr(dv_base + k_row0 * p.dv_row_stride),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.dv_row_stride, _1{}));
+  auto gQ_block = [&](int m_block) {
+    return make_tensor(make_gmem_ptr(q_base + int64_t(m_block) * kBlockM * p.q_row_stride),
+                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.q_row_stride, _1{}));
+  };
+  auto gdO_block = [&](int m_block) {
+    return make_tensor(make_gmem_ptr(do_base + int64_t(m_block) * kBlockM * p.do_row_stride),
+                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.do_row_stride, _1{}));
+  };
+
+  // Shared memory: Q0 | Q1 | dO0 | dO1 | K | V | P | dS | lse[2][M] | D[2][M]. The tensors below
+  // are buffer 0; buffer b is `shifted(t, b * kQElems)` (Q and dO) or + b * kBlockM (lse, D).
+  // dK and dV reuse K and V in the epilogue.
+  Element* smem = reinterpret_cast<Element*>(smem_raw);
+  Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(sQ.data() + 2 * kQElems, typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + 2 * kQElems, typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + int(Traits::kSmemKVElems), typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(sV.data() + int(Traits::kSmemKVElems), typename Traits::SmemLayoutP{});
+  Tensor sdS = make_tensor(sP.data() + int(Traits::kSmemPElems), typename Traits::SmemLayoutP{});
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPt{});
+  float* s_lse = reinterpret_cast<float*>(smem_raw + (4 * kQElems + 2 * Traits::kSmemKVElems +
+                                                      2 * Traits::kSmemPElems) * int(sizeof(Element)));
+  float* s_dsum = s_lse + 2 * kBlockM;
+
+  // global <-> shared partitions with (row, col) coordinates for predication.
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tQc = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+  // S = Q K^T and dP = dO V^T.
+  typename Traits::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  auto s2r_sdp_a = make_tiled_copy_A(typename Traits::S2RCopy{}, mma_sdp);
+  auto s2r_sdp_b = make_tiled_copy_B(typename Traits::S2RCopy{}, mma_sdp);
+  Tensor tSsQ = s2r_sdp_a.get_thread_slice(tid).partition_S(sQ);
+  Tensor tSsK = s2r_sdp_b.get_thread_slice(tid).partition_S(sK);
+  Tensor tdPsdO = s2r_sdp_a.get_thread_slice(tid).partition_S(sdO);
+  Tensor tdPsV = s2r_sdp_b.get_thread_slice(tid).partition_S(sV);
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rows = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
+  constexpr int kRows = decltype(size<0>(cS_rows))::value;
+  // P and dS (input dtype) -> shared memory.
+  auto r2s_p = make_tiled_copy_C(typename Traits::R2SCopy{}, mma_sdp);
+  auto r2s_p_thr = r2s_p.get_thread_slice(tid);
+  Tensor tPsP = r2s_p_thr.partition_D(sP);
+  Tensor tPsdS = r2s_p_thr.partition_D(sdS);
+
+  // dV += P^T dO and dK += dS^T Q: all four operands transposed views, ldmatrix.trans.
+  typename Traits::TiledMmadKV mma_kv;
+  auto thr_kv = mma_kv.get_thread_slice(tid);
+  Tensor tdVrPt = thr_kv.partition_fragment_A(sPt);
+  Tensor tdVrdOt = thr_kv.partition_fragment_B(sdOt);
+  Tensor tdKrdSt = thr_kv.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_kv.partition_fragment_B(sQt);
+  auto s2r_kv_a = make_tiled_copy_A(typename Traits::S2RCopyT{}, mma_kv);
+  auto s2r_kv_b = make_tiled_copy_B(typename Traits::S2RCopyT{}, mma_kv);
+  Tensor tdVsPt = s2r_kv_a.get_thread_slice(tid).partition_S(sPt);
+  Tensor tdVsdOt = s2r_kv_b.get_thread_slice(tid).partition_S(sdOt);
+  Tensor tdKsdSt = s2r_kv_a.get_thread_slice(tid).partition_S(sdSt);
+  Tensor tdKsQt = s2r_kv_b.get_thread_slice(tid).partition_S(sQt);
+  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // dQ = dS K: dS as stored, K^T through ldmatrix.trans.
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  auto s2r_dq_a = make_tiled_copy_A(typename Traits::S2RCopy{}, mma_dq);
+  auto s2r_dq_b = make_tiled_copy_B(typename Traits::S2RCopyT{}, mma_dq);
+  Tensor tdQsdS = s2r_dq_a.get_thread_slice(tid).partition_S(sdS);
+  Tensor tdQsKt = s2r_dq_b.get_thread_slice(tid).partition_S(sKt);
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // The accumulator's values come in pairs (2j, 2j + 1) of adjacent columns of one row (the
+  // m16n8 C fragment), which the 64-bit dQ writes rely on.
+  static_assert(decltype(size<0, 0>(cdQ))::value == 2 && decltype(size(cdQ))::value % 2 == 0);
+
+  const bool use_softcap = p.softcap > 0.f;
+  const float scale_log2 = p.softmax_scale_log2;  // log2(e) with softcap (scores already scaled)
+  const float softmax_scale = p.softmax_scale;
+  const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
+  const bool deterministic = p.deterministic;
+
+  // All loads of query block m_block into buffer `buf` (no commit): Q, dO, and lse, D of its
+  // rows (zero-filled past the sequence end, replaced below).
+  auto load_query_block = [&](int m_block, int buf) {
+    const int rows_q = seq.seqlen_q - m_block * kBlockM;
+    Tensor tQsQ_b = shifted(tQsQ, buf * kQElems);
+    Tensor tdOsdO_b = shifted(tdOsdO, buf * kQElems);
+    load_tile_async(gmem_thr.partition_S(gQ_block(m_block)), tQsQ_b, tQc, rows_q, p.head_dim);
+    load_tile_async(gmem_thr.partition_S(gdO_block(m_block)), tdOsdO_b, tQc, rows_q, p.head_dim);
+    if (tid < 2 * kBlockM) {
+      const int r = tid % kBlockM;
+      const bool ok = r < rows_q;
+      const int g = ok ? m_block * kBlockM + r : 0;  // in range even when not read
+      const float* src = tid < kBlockM ? lse_base + g : dsum_base + g;
+      float* dst = (tid < kBlockM ? s_lse : s_dsum) + buf * kBlockM + r;
+      cp_async_4_zfill(dst, src, ok);
+    }
+  };
+
+  if (m_min < m_max) {
+    load_tile_async(gmem_thr.partition_S(gK), tKsK, tKVc, rows_k, p.head_dim);
+    load_tile_async(gmem_thr.partition_S(gV), tVsV, tKVc, rows_k, p.head_dim);
+    load_query_block(m_min, 0);
+    cp_async_fence();
+
+    for (int m_block = m_min; m_block < m_max; ++m_block) {
+      const int buf = (m_block - m_min) & 1;
+      const int rows_q = seq.seqlen_q - m_block * kBlockM;  // valid query rows of this block
+
+      cp_async_wait<0>();
+      // Block m_block's Q, dO, lse, D (and K, V) landed, and every warp is done with block
+      // m_block - 1: its Q/dO/lse/D buffer (buf ^ 1) and sP, sdS may be overwritten.
+      __syncthreads();
+      if (m_block + 1 < m_max) load_query_block(m_block + 1, buf ^ 1);
+      cp_async_fence();
+
+      const int q_off = buf * kQElems;
+      const float* lse_s = s_lse + buf * kBlockM;
+      const float* dsum_s = s_dsum + buf * kBlockM;
+
+      // lse (in log2 units) of this thread's rows. Rows past the sequence end and rows that see
+      // no key (lse = -inf) get lse = +inf, so that P = exp2(s - inf) = 0, never NaN.
+      float lse_log2[kRows];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(cS_rows(r, 0));
+        const float lse = lse_s[row];
+        lse_log2[r] = (row >= rows_q || lse == -INFINITY) ? INFINITY : lse * float(M_LOG2E);
+      }
+
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, shifted(tSsQ, q_off), tSsK, s2r_sdp_a, s2r_sdp_b, tid);
+      if (use_softcap) apply_softcap(acc_s, softmax_scale / p.softcap, p.softcap);
+      Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
+      if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
+
+      // P = exp(S * scale - lse), recomputed exactly as the forward normalized it.
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) {
+          scores(r, c) = exp2f(scores(r, c) * scale_log2 - lse_log2[r]);
+        }
+      }
+      {
+        Tensor rP = make_tensor_like<Element>(acc_s);
+        convert_into(rP, acc_s);
+        copy(r2s_p, r2s_p_thr.retile_S(rP), tPsP);  // nobody reads sP until the barrier below
+      }
+
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, shifted(tdPsdO, q_off), tdPsV, s2r_sdp_a, s2r_sdp_b,
+              tid);
+
+      // dS = P * (dP - D) * scale (times the softcap derivative), the gradient of the raw Q K^T.
+      // D = 0 past the sequence end (zero-filled), where P = 0 anyway.
+      Tensor dp = make_tensor(acc_dp.data(), acc_as_rows_cols(acc_dp.layout()));
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const float dsum = dsum_s[get<0>(cS_rows(r, 0))];
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(dp); ++c) {
+          const float pr = scores(r, c);
+          float ds = pr * (dp(r, c) - dsum);
+          if (use_softcap) {
+            const float t = (__log2f(pr) + lse_log2[r]) * softcap_t_factor;  // S'/cap = tanh(.)
+            ds = pr > 0.f ? ds * (1.f - t * t) : 0.f;
+          }
+          dp(r, c) = ds * softmax_scale;
+        }
+      }
+      {
+        Tensor rdS = make_tensor_like<Element>(acc_dp);
+        convert_into(rdS, acc_dp);
+        copy(r2s_p, r2s_p_thr.retile_S(rdS), tPsdS);
+      }
+      __syncthreads();  // P and dS visible to every warp
+
+      gemm_ss(mma_kv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, shifted(tdVsdOt, q_off), s2r_kv_a, s2r_kv_b,
+              tid);
+      gemm_ss(mma_kv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, shifted(tdKsQt, q_off), s2r_kv_a, s2r_kv_b,
+              tid);
+
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(acc_dq);
+      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dq_a, s2r_dq_b, tid);
+      float* dq_tile = dqa_base + int64_t(m_block) * kBlockM * p.dqa_row_stride;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); i += 2) {
+        const int row = get<0>(cdQ(i)), col = get<1>(cdQ(i));  // cdQ(i + 1) is (row, col + 1)
+        if (row < rows_q && col < p.head_dim) {  // head_dim % 8 == 0: col + 1 < head_dim too
+          dq_accumulate2(dq_tile + int64_t(row) * p.dqa_row_stride + col, acc_dq(i), acc_dq(i + 1),
+                         deterministic);
+        }
+      }
+      // No barrier here: the next block's first barrier orders these reads of sQ, sdO, sP, sdS
+      // before anything overwrites them.
+    }
+  }
+  // else: no query row sees this key block; dK = dV = 0.
+
+  // Epilogue: dK, dV in the input dtype, through shared memory (the K and V buffers) for
+  // 16-byte coalesced stores of the valid rows and columns.
+  Tensor rdK = make_tensor_like<Element>(acc_dk);
+  Tensor rdV = make_tensor_like<Element>(acc_dv);
+  convert_into(rdK, acc_dk);
+  convert_into(rdV, acc_dv);
+  auto r2s_kv = make_tiled_copy_C(typename Traits::R2SCopy{}, mma_kv);
+  auto r2s_kv_thr = r2s_kv.get_thread_slice(tid);
+  cp_async_wait<0>();  // (only empty groups can be pending here)
+  __syncthreads();     // every warp is done reading sK (dQ GEMM) and sV
+  copy(r2s_kv, r2s_kv_thr.retile_S(rdK), r2s_kv_thr.partition_D(sK));
+  copy(r2s_kv, r2s_kv_thr.retile_S(rdV), r2s_kv_thr.partition_D(sV));
+  __syncthreads();
+  Tensor tdKgdK = gmem_thr.partition_D(gdK);
+  Tensor tdVgdV = gmem_thr.partition_D(gdV);
+  store_tile(gmem_thr.partition_S(sK), tdKgdK, tKVc, rows_k, p.head_dim);
+  store_tile(gmem_thr.partition_S(sV), tdVgdV, tKVc, rows_k, p.head_dim);
+}
+
 }  // namespace flash_ext::sm80

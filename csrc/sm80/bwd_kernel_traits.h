@@ -72,6 +72,17 @@ struct BwdTraits {
   static constexpr int kSmemBytes =
       (2 * kSmemQElems + 2 * kSmemKVElems + 2 * kSmemPElems) * int(sizeof(Element));
 
+  // Variant 2 (bwd_kernel_v2, FLASH_EXT_BWD_VARIANT=2): Q and dO double-buffered, plus lse and D
+  // of the query block staged in shared memory (fp32, two buffers each):
+  //   Q0 | Q1 | dO0 | dO1 | K | V | P | dS | lse0 | lse1 | D0 | D1
+  // Each Q/dO buffer is a multiple of the swizzle period (8 rows x kSmemRowChunk), so buffer 1 is
+  // buffer 0's layout shifted by kSmemQElems elements.
+  static_assert(kSmemQElems % (8 * kSmemRowChunk) == 0);
+  static constexpr int kSmemBytesV2 =
+      (4 * kSmemQElems + 2 * kSmemKVElems + 2 * kSmemPElems) * int(sizeof(Element)) +
+      4 * kBlockM * int(sizeof(float));
+  static_assert(2 * kBlockM <= kNThreads);  // one thread per lse / D entry of a query block
+
   using S2RCopy = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using S2RCopyT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
   using R2SCopy = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;

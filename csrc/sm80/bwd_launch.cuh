@@ -32,6 +32,34 @@ void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
   }
 }
 
+template <typename Traits, bool kHasWindow>
+void launch_bwd_main_v2(BwdParams& p, cudaStream_t stream) {
+  auto kernel = &bwd_kernel_v2<Traits, kHasWindow>;
+  constexpr int smem = Traits::kSmemBytesV2;
+  if constexpr (smem > 48 * 1024) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  }
+  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
+  kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
+}
+
+// Variant 2 (double-buffered Q/dO/lse/D, see bwd_kernel_v2) when its shared memory fits the
+// device's opt-in limit, else the default kernel. Same tile, so the same key-block count (the
+// deterministic dQ slices) either way.
+template <typename Traits>
+void launch_bwd_main_v2_or_v1(BwdParams& p, cudaStream_t stream) {
+  int device = 0, optin = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (Traits::kSmemBytesV2 > optin) {
+    launch_bwd_main<Traits>(p, stream);
+  } else if (p.has_window) {
+    launch_bwd_main_v2<Traits, true>(p, stream);
+  } else {
+    launch_bwd_main_v2<Traits, false>(p, stream);
+  }
+}
+
 }  // namespace sm80
 
 template <int kHeadDim, bool kIsBf16>
@@ -52,15 +80,25 @@ void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
   static_assert(Big::kSmemBytes == bwd_sm80_smem_bytes(kHeadDim, kBig));
   constexpr bool kOneConfig =
       kBig.block_m == kSmall.block_m && kBig.block_n == kSmall.block_n && kBig.warps == kSmall.warps;
+  // Variant 2 is compiled for the big tile only (which is also the only tile of d = 32, 64);
+  // the small (sm86/sm89 or FLASH_EXT_BWD_SMALL_TILE=1) tiles always use the default kernel.
   if constexpr (kOneConfig) {
-    sm80::launch_bwd_main<Big>(p, stream);
+    if (p.variant == 2) {
+      sm80::launch_bwd_main_v2_or_v1<Big>(p, stream);
+    } else {
+      sm80::launch_bwd_main<Big>(p, stream);
+    }
   } else {
     using Small = sm80::BwdTraits<kHeadDim, kSmall.block_m, kSmall.block_n, kSmall.warps, Element>;
     static_assert(Small::kSmemBytes == bwd_sm80_smem_bytes(kHeadDim, kSmall));
     static_assert(Small::kSmemBytes <= 99 * 1024);
     const BwdTile t = bwd_sm80_pick_tile(kHeadDim);
     if (t.block_m == kBig.block_m && t.block_n == kBig.block_n && t.warps == kBig.warps) {
-      sm80::launch_bwd_main<Big>(p, stream);
+      if (p.variant == 2) {
+        sm80::launch_bwd_main_v2_or_v1<Big>(p, stream);
+      } else {
+        sm80::launch_bwd_main<Big>(p, stream);
+      }
     } else {
       sm80::launch_bwd_main<Small>(p, stream);
     }

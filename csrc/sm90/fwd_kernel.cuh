@@ -73,6 +73,32 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Tile scheduler. A tile is (query block, head, batch); a CTA walks tiles blockIdx.x,
+// + gridDim.x, ... With a persistent grid (one CTA per SM) a CTA's next tile's loads overlap its
+// current tile's epilogue; with one CTA per tile the hardware balances uneven tiles.
+// Order: without a mask, consecutive tiles are the query blocks of one (head, batch), so CTAs
+// running together share that head's K/V in L2. Under a causal/local mask tiles are ordered
+// longest first over all heads (query block descending), so the short tiles fill the tail.
+struct TileScheduler {
+  int num_m_blocks, heads, num_tiles;
+  bool longest_first;
+  __device__ __forceinline__ TileScheduler(int m_blocks, int h, int b, bool masked)
+      : num_m_blocks(m_blocks), heads(h), num_tiles(m_blocks * h * b), longest_first(masked) {}
+  __device__ __forceinline__ void tile(int t, int& m_block, int& head, int& batch) const {
+    int hb;
+    if (longest_first) {
+      const int heads_batches = num_tiles / num_m_blocks;
+      m_block = num_m_blocks - 1 - t / heads_batches;
+      hb = t % heads_batches;
+    } else {
+      hb = t / num_m_blocks;
+      m_block = num_m_blocks - 1 - (t - hb * num_m_blocks);
+    }
+    head = hb % heads;
+    batch = hb / heads;
+  }
+};
+
 template <typename Traits, bool kHasWindow>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -82,33 +108,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   constexpr int kHeadDim = Traits::kHeadDim;
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const FwdParams& p = args.p;
-
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks first
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const SeqInfo seq(p, batch);
-  if (m_block * kBlockM >= seq.seqlen_q) return;  // uniform over the CTA, before any barrier
-  const int head_kv = head / (p.heads_q / p.heads_kv);
-  const int rows_q = seq.seqlen_q - m_block * kBlockM;
-
-  const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left,
-                                                      p.window_right);
-  int n_min, n_max;
-  mask.key_block_range(m_block, n_min, n_max);
-
+  const TileScheduler scheduler((p.seqlen_q + kBlockM - 1) / kBlockM, p.heads_q, p.batch, kHasWindow);
   const int warp_group = threadIdx.x / 128;  // 0: producer
   const bool varlen = p.cu_seqlens_q != nullptr;
 
-  // Barriers: Q has its own (loaded once); K and V each have a full/empty ring.
+  // Barriers: Q full (TMA) and Q empty (consumers done with a tile's Q); K and V each have a
+  // full/empty ring that runs on across tiles.
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
-    cutlass::arch::ClusterTransactionBarrier::init(&ss.barrier_q, 1);
+    Barrier::init(&ss.barrier_q, 1);
+    Barrier::init(&ss.barrier_q_empty, Traits::kMmaThreads);
   }
   typename Pipeline::Params pipe_params;
   pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
@@ -125,37 +141,64 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
 
+  // The visible key blocks of a tile; false when the tile has no query row (varlen) or no key.
+  auto tile_work = [&](int m_block, int batch, SeqInfo& seq, int& n_min, int& n_max) {
+    seq = SeqInfo(p, batch);
+    if (m_block * kBlockM >= seq.seqlen_q) return false;
+    const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+    mask.key_block_range(m_block, n_min, n_max);
+    return true;
+  };
+
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x != 0 || n_min >= n_max) return;
-    const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
-    const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
-    const int b = varlen ? 0 : batch;
-    Tensor mQ = domain_offset(make_coord(q_start, _0{}),
-                              args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, b));
-    Tensor mK = domain_offset(make_coord(k_start, _0{}),
-                              args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
-    Tensor mV = domain_offset(make_coord(k_start, _0{}),
-                              args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
-    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
-    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.barrier_q, Traits::kTmaBytesQ);
-    copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);
+    if (threadIdx.x != 0) return;
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
-    for (int n_block = n_max - 1; n_block >= n_min; --n_block) {
+    int q_loads = 0;
+    for (int t = blockIdx.x; t < scheduler.num_tiles; t += gridDim.x) {
+      int m_block, head, batch, n_min = 0, n_max = 0;
+      scheduler.tile(t, m_block, head, batch);
+      SeqInfo seq(p, batch);
+      if (!tile_work(m_block, batch, seq, n_min, n_max) || n_min >= n_max) continue;
+      const int head_kv = head / (p.heads_q / p.heads_kv);
+      const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
+      const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
+      const int b = varlen ? 0 : batch;
+      Tensor mQ = domain_offset(make_coord(q_start, _0{}),
+                                args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, b));
+      Tensor mK = domain_offset(make_coord(k_start, _0{}),
+                                args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
+      Tensor mV = domain_offset(make_coord(k_start, _0{}),
+                                args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
+      Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+      Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+      // K of the first block goes out before waiting for the previous tile's Q to be released.
+      int n_block = n_max - 1;
       pipeline_k.producer_acquire(write_k);
       copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
       ++write_k;
+      if (q_loads > 0) Barrier::wait(&ss.barrier_q_empty, (q_loads - 1) & 1);
+      Barrier::arrive_and_expect_tx(&ss.barrier_q, Traits::kTmaBytesQ);
+      copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);
+      ++q_loads;
       pipeline_v.producer_acquire(write_v);
       copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
       ++write_v;
+      for (--n_block; n_block >= n_min; --n_block) {
+        pipeline_k.producer_acquire(write_k);
+        copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
+        ++write_k;
+        pipeline_v.producer_acquire(write_v);
+        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
+        ++write_v;
+      }
     }
     return;
   }
@@ -174,20 +217,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Tensor o_rows = make_tensor(acc_o.data(), gmma_acc_as_rows_cols(acc_o.layout()));
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS_rows = make_tensor(cS.data(), gmma_acc_as_rows_cols(cS.layout()));
-
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cO_rows = make_tensor(cO.data(), gmma_acc_as_rows_cols(cO.layout()));
   constexpr int kRows = decltype(size<0>(o_rows))::value;
-  OnlineSoftmax<kRows> softmax;
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    softmax.row_max[r] = -INFINITY;
-    softmax.row_sum[r] = 0.f;
-  }
-  clear(acc_o);
   const float scale_log2 = p.softmax_scale_log2;
   const bool use_softcap = p.softcap > 0.f;
 
-  // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
-  // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
   // Ping-pong (two consumer warpgroups): a warpgroup issues its GEMMs only in its turn and then
   // hands the turn over, so one warpgroup's softmax runs under the other's GEMMs. Turns are
   // named barriers: warpgroup w syncs on barrier 1 + w; the other arrives on it.
@@ -196,88 +231,110 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   auto turn_begin = [&]() { if (pingpong) named_barrier_sync(1 + consumer_wg, 256); };
   auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (1 - consumer_wg), 256); };
 
-  if (n_min < n_max) {
-    if (pingpong && consumer_wg == 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
-    cutlass::arch::ClusterTransactionBarrier::wait(&ss.barrier_q, 0);
-    PipelineState read_k, read_v;
-    Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
-    Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
-    float correction[kRows];
+  PipelineState read_k, read_v;
+  int q_loads = 0;
+  for (int t = blockIdx.x; t < scheduler.num_tiles; t += gridDim.x) {
+    int m_block, head, batch, n_min = 0, n_max = 0;
+    scheduler.tile(t, m_block, head, batch);
+    SeqInfo seq(p, batch);
+    if (!tile_work(m_block, batch, seq, n_min, n_max)) continue;
+    const int rows_q = seq.seqlen_q - m_block * kBlockM;
+    const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
 
-    auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
-      if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
-      Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
-      if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
-      softmax.template update_scores<decltype(is_first)::value>(scores, scale_log2, correction);
-    };
-
-    int n_block = n_max - 1;
-    {
-      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      pipeline_k.consumer_wait(read_k);
-      turn_begin();
-      warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-      turn_end();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      pipeline_k.consumer_release(read_k);
-      ++read_k;
-      scores_to_probs(acc_s, n_block, cute::true_type{});
-      convert_into(rP, acc_s);
+    OnlineSoftmax<kRows> softmax;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      softmax.row_max[r] = -INFINITY;
+      softmax.row_sum[r] = 0.f;
     }
-    for (--n_block; n_block >= n_min; --n_block) {
-      Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      pipeline_k.consumer_wait(read_k);
+    clear(acc_o);
+
+    // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
+    // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
+    if (n_min < n_max) {
+      if (pingpong && consumer_wg == 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
+      Barrier::wait(&ss.barrier_q, q_loads & 1);
+      Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
+      Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
+      float correction[kRows];
+
+      auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
+        if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
+        Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
+        if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
+        softmax.template update_scores<decltype(is_first)::value>(scores, scale_log2, correction);
+      };
+
+      int n_block = n_max - 1;
+      {
+        Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        pipeline_k.consumer_wait(read_k);
+        turn_begin();
+        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+        turn_end();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        scores_to_probs(acc_s, n_block, cute::true_type{});
+        convert_into(rP, acc_s);
+      }
+      for (--n_block; n_block >= n_min; --n_block) {
+        Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        pipeline_k.consumer_wait(read_k);
+        pipeline_v.consumer_wait(read_v);
+        turn_begin();
+        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+        turn_end();
+        warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
+        warpgroup_fence_operand(acc_s);
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        scores_to_probs(acc_s, n_block, cute::false_type{});
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        pipeline_v.consumer_release(read_v);
+        ++read_v;
+        softmax.rescale(o_rows, correction);
+        convert_into(rP, acc_s);
+      }
+      // Every read of this tile's Q is done: the producer may load the next tile's Q.
+      Barrier::arrive(&ss.barrier_q_empty);
+      ++q_loads;
       pipeline_v.consumer_wait(read_v);
       turn_begin();
-      warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
       warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
       turn_end();
-      warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
-      warpgroup_fence_operand(acc_s);
-      pipeline_k.consumer_release(read_k);
-      ++read_k;
-      scores_to_probs(acc_s, n_block, cute::false_type{});
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       pipeline_v.consumer_release(read_v);
       ++read_v;
-      softmax.rescale(o_rows, correction);
-      convert_into(rP, acc_s);
+      if (pingpong && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
     }
-    pipeline_v.consumer_wait(read_v);
-    turn_begin();
-    warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-    turn_end();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-    pipeline_v.consumer_release(read_v);
-    if (pingpong && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
-  }
 
-  // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.
-  float lse[kRows];
-  softmax.finalize(o_rows, scale_log2, lse);
-  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor cO_rows = make_tensor(cO.data(), gmma_acc_as_rows_cols(cO.layout()));
-  const int64_t q_row0 = int64_t(m_block) * kBlockM;
-  Element* o_tile = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride + q_row0 * p.o_row_stride;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
-    const int row = get<0>(cO(i)), col = get<1>(cO(i));
-    if (row < rows_q && col < p.head_dim) {
-      cutlass::Array<Element, 2> pair;
-      pair[0] = Element(acc_o(i));
-      pair[1] = Element(acc_o(i + 1));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(o_tile + row * p.o_row_stride + col) = pair;
-    }
-  }
-  if (get<1>(cO_rows(0, 0)) == 0) {
-    float* lse_out = p.lse + seq.lse_offset + head * p.lse_head_stride + q_row0;
+    // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.
+    float lse[kRows];
+    softmax.finalize(o_rows, scale_log2, lse);
+    const int64_t q_row0 = int64_t(m_block) * kBlockM;
+    Element* o_tile = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride + q_row0 * p.o_row_stride;
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int row = get<0>(cO_rows(r, 0));
-      if (row < rows_q) lse_out[row] = lse[r];
+    for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
+      const int row = get<0>(cO(i)), col = get<1>(cO(i));
+      if (row < rows_q && col < p.head_dim) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = Element(acc_o(i));
+        pair[1] = Element(acc_o(i + 1));
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(o_tile + row * p.o_row_stride + col) = pair;
+      }
+    }
+    if (get<1>(cO_rows(0, 0)) == 0) {
+      float* lse_out = p.lse + seq.lse_offset + head * p.lse_head_stride + q_row0;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(cO_rows(r, 0));
+        if (row < rows_q) lse_out[row] = lse[r];
+      }
     }
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

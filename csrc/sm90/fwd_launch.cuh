@@ -3,6 +3,7 @@
 // tile configuration per head dim (docs/kernels-sm90.md) and the launch.
 #pragma once
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <cutlass/numeric_types.h>
 
 #include "dispatch/fwd_dispatch.h"
@@ -38,7 +39,15 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   auto kernel = &fwd_kernel<Traits, kHasWindow>;
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
+  // Persistent (one CTA per SM) by default without a mask; one CTA per tile under causal/local
+  // masks, whose uneven tiles the hardware scheduler balances better than a static round-robin
+  // (docs/perf-notes.md). p.sm90_persistent: -1 auto, 0 off, 1 on.
+  const int64_t tiles = int64_t((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM) * p.heads_q * p.batch;
+  const bool persistent = p.sm90_persistent == 1 || (p.sm90_persistent == -1 && !kHasWindow);
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
 

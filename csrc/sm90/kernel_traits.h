@@ -55,6 +55,7 @@ struct FwdTraits {
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
     uint64_t barrier_q;
+    uint64_t barrier_q_empty;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
