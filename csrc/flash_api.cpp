@@ -1,5 +1,5 @@
 // The torch-facing layer: input checks, FwdParams, dispatch by architecture / head dim / dtype,
-// and the torch.library op registrations. The only translation unit that includes torch.
+// and the torch.library op registrations of the forward (the backward: flash_bwd_api.cpp).
 #include <Python.h>
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -13,6 +13,7 @@
 #include <string>
 
 #include "dispatch/fwd_dispatch.h"
+#include "api_common.h"
 #include "params.h"
 
 #ifndef FLASH_EXT_BUILD_INFO
@@ -27,38 +28,6 @@ extern "C" PyObject* PyInit__C(void) {
 
 namespace flash_ext {
 namespace {
-
-// Head dims with a compiled kernel, ascending. Other sizes run in the next larger kernel, whose
-// loads zero-fill and whose stores skip the columns past the real head dim.
-constexpr int kKernelHeadDims[] = {
-#ifdef FLASH_EXT_HDIM_32
-    32,
-#endif
-#ifdef FLASH_EXT_HDIM_64
-    64,
-#endif
-#ifdef FLASH_EXT_HDIM_96
-    96,
-#endif
-#ifdef FLASH_EXT_HDIM_128
-    128,
-#endif
-#ifdef FLASH_EXT_HDIM_192
-    192,
-#endif
-#ifdef FLASH_EXT_HDIM_256
-    256,
-#endif
-    0};  // sentinel
-
-int kernel_head_dim(int d) {
-  for (int kd : kKernelHeadDims) {
-    if (kd >= d) return kd;
-  }
-  TORCH_CHECK(false, "flash_ext: no kernel for head dim ", d, " in this build (", FLASH_EXT_BUILD_INFO,
-              "); rebuild with FLASH_EXT_HEADDIMS covering it");
-  return 0;
-}
 
 template <bool kIsBf16>
 void run_fwd_sm80_hdim(FwdParams& p, int kd, cudaStream_t stream) {
@@ -201,7 +170,7 @@ void run_fwd(FwdParams& p, int device, cudaStream_t stream) {
 #else
   choose_fwd_path(p, device);  // validates FLASH_EXT_FWD_PATH
 #endif
-  const int kd = kernel_head_dim(p.head_dim);
+  const int kd = sm80_kernel_head_dim(p.head_dim, "forward");
   if (p.is_bf16) {
 #ifdef FLASH_EXT_BF16
     run_fwd_sm80_hdim<true>(p, kd, stream);
@@ -215,16 +184,6 @@ void run_fwd(FwdParams& p, int device, cudaStream_t stream) {
     TORCH_CHECK(false, "flash_ext: this build has no fp16 kernels (", FLASH_EXT_BUILD_INFO, ")");
 #endif
   }
-}
-
-void check_row_strides(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.stride(-1) == 1, "flash_ext: ", name, " must have a contiguous last dimension");
-  for (int i = 0; i < t.dim() - 1; ++i) {
-    TORCH_CHECK(t.stride(i) % 8 == 0, "flash_ext: ", name,
-                " strides must be multiples of 8 elements (16-byte aligned rows); got ", t.strides());
-  }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_ext: ", name,
-              " must be 16-byte aligned");
 }
 
 // Checks the inputs (again: the Python layer gives friendlier messages first) and fills the
@@ -257,10 +216,10 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   TORCH_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "flash_ext: softmax_scale must be positive and finite");
   TORCH_CHECK(softcap >= 0, "flash_ext: softcap must be >= 0");
   TORCH_CHECK(window_left >= -1 && window_right >= -1, "flash_ext: window sizes must be >= -1");
-  check_row_strides(q, "q");
-  check_row_strides(k, "k");
-  check_row_strides(v, "v");
-  check_row_strides(out, "out");
+  check_rows_aligned(q, "q");
+  check_rows_aligned(k, "k");
+  check_rows_aligned(v, "v");
+  check_rows_aligned(out, "out");
 
   p = FwdParams{};
   p.q = q.data_ptr();

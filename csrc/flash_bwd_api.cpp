@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "common/bwd_params.h"
+#include "api_common.h"
 #include "dispatch/bwd_dispatch.h"
 
 #ifndef FLASH_EXT_BUILD_INFO
@@ -22,37 +23,6 @@
 
 namespace flash_ext {
 namespace {
-
-// Head dims with a compiled kernel, ascending (the same list as the forward's).
-constexpr int kBwdKernelHeadDims[] = {
-#ifdef FLASH_EXT_HDIM_32
-    32,
-#endif
-#ifdef FLASH_EXT_HDIM_64
-    64,
-#endif
-#ifdef FLASH_EXT_HDIM_96
-    96,
-#endif
-#ifdef FLASH_EXT_HDIM_128
-    128,
-#endif
-#ifdef FLASH_EXT_HDIM_192
-    192,
-#endif
-#ifdef FLASH_EXT_HDIM_256
-    256,
-#endif
-    0};  // sentinel
-
-int bwd_kernel_head_dim(int d) {
-  for (int kd : kBwdKernelHeadDims) {
-    if (kd >= d) return kd;
-  }
-  TORCH_CHECK(false, "flash_ext: no backward kernel for head dim ", d, " in this build (",
-              FLASH_EXT_BUILD_INFO, "); rebuild with FLASH_EXT_HEADDIMS covering it");
-  return 0;
-}
 
 template <bool kIsBf16>
 void run_bwd_sm80_hdim(BwdParams& p, int kd, cudaStream_t stream) {
@@ -93,16 +63,6 @@ void run_bwd(BwdParams& p, int kd, cudaStream_t stream) {
     TORCH_CHECK(false, "flash_ext: this build has no fp16 kernels (", FLASH_EXT_BUILD_INFO, ")");
 #endif
   }
-}
-
-void check_rows_aligned(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.stride(-1) == 1, "flash_ext: ", name, " must have a contiguous last dimension");
-  for (int i = 0; i < t.dim() - 1; ++i) {
-    TORCH_CHECK(t.stride(i) % 8 == 0, "flash_ext: ", name,
-                " strides must be multiples of 8 elements (16-byte aligned rows); got ", t.strides());
-  }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_ext: ", name,
-              " must be 16-byte aligned");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
@@ -148,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   check_rows_aligned(dout, "dout");
 
   const c10::cuda::CUDAGuard guard(q.device());
-  const int kd = bwd_kernel_head_dim(d);
+  const int kd = sm80_kernel_head_dim(d, "backward");
   const at::Tensor lse = lse_in.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
 
