@@ -1,9 +1,12 @@
 // Helpers shared by the torch-facing files (flash_api.cpp, flash_bwd_api.cpp): which head dims
-// this build has kernels for, and the 16-byte row alignment the kernels' vector loads need.
+// this build has kernels for, the 16-byte row alignment the kernels' vector loads need, and what
+// the TMA (Hopper) kernels need of the strides.
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdint>
+
+#include "params.h"
 
 #ifndef FLASH_EXT_BUILD_INFO
 #define FLASH_EXT_BUILD_INFO "unknown"
@@ -50,6 +53,17 @@ inline void check_rows_aligned(const at::Tensor& t, const char* name) {
   }
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_ext: ", name,
               " must be 16-byte aligned");
+}
+
+// TMA tensor maps need non-empty extents and non-zero strides (broadcast tensors with stride 0
+// and calls without keys go to the sm80 kernel, which handles both).
+inline bool tma_compatible(const FwdParams& p) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const bool keys = varlen ? (p.total_k > 0 && p.total_q > 0) : p.seqlen_k > 0;
+  const bool batch_strides = varlen || p.batch == 1 ||
+                             (p.q_batch_stride > 0 && p.k_batch_stride > 0 && p.v_batch_stride > 0);
+  return keys && batch_strides && p.q_row_stride > 0 && p.k_row_stride > 0 && p.v_row_stride > 0 &&
+         (p.heads_q == 1 || p.q_head_stride > 0) && (p.heads_kv == 1 || (p.k_head_stride > 0 && p.v_head_stride > 0));
 }
 
 }  // namespace flash_ext

@@ -103,17 +103,6 @@ void run_fwd_sm90_hdim(FwdParams& p, int kd, cudaStream_t stream) {
 }
 #endif  // FLASH_EXT_SM90A
 
-// TMA tensor maps need non-empty extents and non-zero strides (broadcast tensors with stride 0
-// and calls without keys go to the sm80 kernel, which handles both).
-bool tma_compatible(const FwdParams& p) {
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const bool keys = varlen ? (p.total_k > 0 && p.total_q > 0) : p.seqlen_k > 0;
-  const bool batch_strides = varlen || p.batch == 1 ||
-                             (p.q_batch_stride > 0 && p.k_batch_stride > 0 && p.v_batch_stride > 0);
-  return keys && batch_strides && p.q_row_stride > 0 && p.k_row_stride > 0 && p.v_row_stride > 0 &&
-         (p.heads_q == 1 || p.q_head_stride > 0) && (p.heads_kv == 1 || (p.k_head_stride > 0 && p.v_head_stride > 0));
-}
-
 // Which forward implementation runs: FLASH_EXT_FWD_PATH=sm80 or sm90 forces one (tests and
 // benchmarks compare the two on one GPU); the default picks the Hopper kernel on sm90 devices
 // when this build has it for the head dim, else the sm80 kernel (which runs on sm80 and newer).

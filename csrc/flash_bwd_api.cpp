@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "common/bwd_params.h"
@@ -47,6 +48,90 @@ void run_bwd_sm80_hdim(BwdParams& p, int kd, cudaStream_t stream) {
 #endif
     default: TORCH_CHECK(false, "flash_ext: no backward kernel for head dim ", kd);
   }
+}
+
+#ifdef FLASH_EXT_SM90A
+// Head dim of the Hopper backward kernel that covers head dim d in this build; 0 = none.
+int sm90_bwd_kernel_head_dim(int d) {
+#ifdef FLASH_EXT_HDIM_64
+  if (d <= 64) return 64;
+#endif
+#ifdef FLASH_EXT_HDIM_128
+  if (d <= 128) return 128;
+#endif
+  return 0;
+}
+
+template <bool kIsBf16>
+void run_bwd_sm90_hdim(BwdParams& p, int kd, cudaStream_t stream) {
+  switch (kd) {
+#ifdef FLASH_EXT_HDIM_64
+    case 64: return run_bwd_sm90<64, kIsBf16>(p, stream);
+#endif
+#ifdef FLASH_EXT_HDIM_128
+    case 128: return run_bwd_sm90<128, kIsBf16>(p, stream);
+#endif
+    default: TORCH_CHECK(false, "flash_ext: no sm90 backward kernel for head dim ", kd);
+  }
+}
+#endif  // FLASH_EXT_SM90A
+
+// Which backward runs: FLASH_EXT_BWD_PATH=sm80 or sm90 forces one (tests and benchmarks compare
+// the two on one GPU); the default picks the Hopper kernel on sm90 devices where it applies
+// (head dim <= 128, fixed-length batches, deterministic=False; docs/kernels-sm90-bwd.md), else
+// the sm80 kernel.
+enum class BwdPath { kSm80, kSm90 };
+
+BwdPath choose_bwd_path(const BwdParams& p, int device) {
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  const char* env = std::getenv("FLASH_EXT_BWD_PATH");
+  const std::string forced = env ? env : "";
+  TORCH_CHECK(forced.empty() || forced == "auto" || forced == "sm80" || forced == "sm90",
+              "flash_ext: FLASH_EXT_BWD_PATH must be auto, sm80 or sm90; got '", forced, "'");
+  bool sm90_ok = false;
+#ifdef FLASH_EXT_SM90A
+  const bool bf16_ok =
+#ifdef FLASH_EXT_BF16
+      true;
+#else
+      false;
+#endif
+  const bool fp16_ok =
+#ifdef FLASH_EXT_FP16
+      true;
+#else
+      false;
+#endif
+  const bool dout_strides = p.do_row_stride > 0 && (p.heads_q == 1 || p.do_head_stride > 0) &&
+                            (p.batch == 1 || p.do_batch_stride > 0);
+  sm90_ok = major == 9 && sm90_bwd_kernel_head_dim(p.head_dim) != 0 && (p.is_bf16 ? bf16_ok : fp16_ok) &&
+            p.cu_seqlens_q == nullptr && !p.deterministic && tma_compatible(p) && dout_strides;
+#endif
+  if (forced == "sm90") {
+    TORCH_CHECK(sm90_ok, "flash_ext: FLASH_EXT_BWD_PATH=sm90 needs an sm90 GPU, a build with 90a in ",
+                "FLASH_EXT_ARCHS covering head dim ", p.head_dim, " (the Hopper backward has head dims <= 128), ",
+                "no cu_seqlens and deterministic=False (", FLASH_EXT_BUILD_INFO, ")");
+    return BwdPath::kSm90;
+  }
+  if (forced == "sm80") return BwdPath::kSm80;
+  return sm90_ok ? BwdPath::kSm90 : BwdPath::kSm80;
+}
+
+void run_bwd_sm90_dtype(BwdParams& p, cudaStream_t stream) {
+#ifdef FLASH_EXT_SM90A
+  const int kd = sm90_bwd_kernel_head_dim(p.head_dim);
+  if (p.is_bf16) {
+#ifdef FLASH_EXT_BF16
+    return run_bwd_sm90_hdim<true>(p, kd, stream);
+#endif
+  } else {
+#ifdef FLASH_EXT_FP16
+    return run_bwd_sm90_hdim<false>(p, kd, stream);
+#endif
+  }
+#endif
+  TORCH_CHECK(false, "flash_ext: no sm90 backward kernel in this build (", FLASH_EXT_BUILD_INFO, ")");
 }
 
 void run_bwd(BwdParams& p, int kd, cudaStream_t stream) {
@@ -190,8 +275,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   p.seqlen_q = int(seqlen_q_max);
   p.seqlen_k = int(seqlen_k_max);
 
-  // D = rowsum(dO * O), laid out like lse (contiguous).
-  at::Tensor dsum = at::empty_like(lse);
+  const BwdPath path = choose_bwd_path(p, q.get_device());
+  // D = rowsum(dO * O), laid out like lse (contiguous). The Hopper kernel reads D and lse * log2(e)
+  // from (batch, heads_q, seqlen_q rounded up) buffers that its preprocess kernel fills.
+  at::Tensor dsum, lse_log2;
+  if (path == BwdPath::kSm90) {
+    p.seqlen_q_padded = int((seqlen_q_max + kBwdSm90PadRows - 1) / kBwdSm90PadRows * kBwdSm90PadRows);
+    dsum = at::empty({batch, hq, p.seqlen_q_padded}, f32);
+    lse_log2 = at::empty({batch, hq, p.seqlen_q_padded}, f32);
+    p.lse_log2 = lse_log2.data_ptr<float>();
+  } else {
+    dsum = at::empty_like(lse);
+  }
   p.dsum = dsum.data_ptr<float>();
 
   // fp32 dQ accumulator shaped like q (contiguous), zeroed here. Deterministic: one slice per
@@ -227,7 +322,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 
   if (p.batch > 0 && q.numel() > 0 && k.numel() > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-    run_bwd(p, kd, stream);
+    if (path == BwdPath::kSm90) {
+      run_bwd_sm90_dtype(p, stream);
+    } else {
+      run_bwd(p, kd, stream);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else if (!varlen) {
     dk_buf.zero_();

@@ -26,13 +26,18 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 
 BWD_VARIANTS = ["1", "2"]
+# (FLASH_EXT_BWD_PATH, FLASH_EXT_BWD_VARIANT) per fixture value.
+BWD_CONFIGS = {"sm80_v1": ("sm80", "1"), "sm80_v2": ("sm80", "2"), "auto": ("auto", "2")}
 
 
-@pytest.fixture(autouse=True, params=BWD_VARIANTS, ids=lambda v: f"bwd_v{v}")
+@pytest.fixture(autouse=True, params=list(BWD_CONFIGS), ids=lambda c: f"bwd_{c}")
 def bwd_variant(request, monkeypatch):
-    """Every test runs once per backward main kernel (FLASH_EXT_BWD_VARIANT, read per call):
-    1 = the default kernel, 2 = the pipelined one (docs/kernels-sm80-bwd.md, "Variant 2")."""
-    monkeypatch.setenv("FLASH_EXT_BWD_VARIANT", request.param)
+    """Every test runs once per backward kernel (both environment variables are read per call):
+    the sm80 kernel's variants 1 and 2 (docs/kernels-sm80-bwd.md, "Variant 2"), and the default
+    dispatch, which on Hopper runs the wgmma kernel where it applies (docs/kernels-sm90-bwd.md)."""
+    path, variant = BWD_CONFIGS[request.param]
+    monkeypatch.setenv("FLASH_EXT_BWD_PATH", path)
+    monkeypatch.setenv("FLASH_EXT_BWD_VARIANT", variant)
     return request.param
 
 
@@ -295,8 +300,8 @@ def test_small_smem_tiles(dtype, d, kw, monkeypatch):
 def test_variants_agree(dtype, d, kw, bwd_variant, monkeypatch):
     """Both main kernels give the same gradients on a many-query-block case (up to fp32
     summation order of the dQ atomics). Runs once per fixture value; compares 1 against 2."""
-    if bwd_variant != "1":
-        pytest.skip("compared once")
+    if bwd_variant != "sm80_v1":
+        pytest.skip("compared once, in the sm80_v1 run")
     q = torch.randn(2, 1100, 4, d, device="cuda", dtype=dtype)
     k = torch.randn(2, 1000, 2, d, device="cuda", dtype=dtype)
     v = torch.randn(2, 1000, 2, d, device="cuda", dtype=dtype)

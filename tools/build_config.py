@@ -107,6 +107,13 @@ FAMILIES: tuple[Family, ...] = (
         hdims=(64, 96, 128, 192, 256),
         needs_arch="90a",
     ),
+    Family(
+        name="bwd_sm90",
+        header="sm90/bwd_launch.cuh",
+        function="flash_ext::run_bwd_sm90<{hdim}, {is_bf16}>(flash_ext::BwdParams&, cudaStream_t)",
+        hdims=(64, 128),
+        needs_arch="90a",
+    ),
 )
 
 

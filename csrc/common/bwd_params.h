@@ -33,6 +33,11 @@ struct BwdParams : FwdParams {
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 
+  // Hopper backward only: lse * log2(e) and D in (batch, heads_q, seqlen_q_padded) buffers
+  // (p.dsum then points at the padded D), written by its preprocess kernel.
+  float* __restrict__ lse_log2;
+  int seqlen_q_padded;
+
   bool deterministic;
 
   // Main-kernel variant: 1 = bwd_kernel (default), 2 = bwd_kernel_v2 (double-buffered Q/dO; falls

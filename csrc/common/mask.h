@@ -37,6 +37,27 @@ struct BlockMask {
     }
   }
 
+  // The transpose, for the backward: query blocks [m_min, m_max) that see some key of key block
+  // n_block. The first row that sees a key of the block is first_col - shift - window_right, the
+  // last one last_col - shift + window_left.
+  __device__ __forceinline__ void query_block_range(int n_block, int& m_min, int& m_max) const {
+    m_min = 0;
+    m_max = (seqlen_q + kBlockM - 1) / kBlockM;
+    if constexpr (kHasWindow) {
+      const int shift = seqlen_k - seqlen_q;
+      const int first_col = n_block * kBlockN;
+      const int last_col = min((n_block + 1) * kBlockN, seqlen_k) - 1;
+      if (window_right >= 0) {
+        const int first_row = first_col - shift - window_right;
+        m_min = first_row <= 0 ? 0 : first_row / kBlockM;
+      }
+      if (window_left >= 0) {
+        const int last_row = last_col - shift + window_left;
+        m_max = min(m_max, last_row < 0 ? 0 : last_row / kBlockM + 1);
+      }
+    }
+  }
+
   // True when some element of block (m_block, n_block) is masked: the seqlen_k edge or a window
   // boundary crosses it. Interior blocks skip the elementwise mask entirely.
   __device__ __forceinline__ bool needs_mask(int m_block, int n_block) const {

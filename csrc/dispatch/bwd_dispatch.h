@@ -15,6 +15,13 @@ namespace flash_ext {
 template <int kHeadDim, bool kIsBf16>
 void run_bwd_sm80(BwdParams& params, cudaStream_t stream);
 
+// Hopper backward (wgmma + TMA, docs/kernels-sm90-bwd.md), head dims 64 and 128, no varlen, no
+// deterministic mode. Expects dq_accum zeroed, p.dsum and p.lse_log2 pointing at
+// (batch, heads_q, seqlen_q_padded) fp32 buffers, seqlen_q_padded a multiple of kBwdSm90PadRows.
+template <int kHeadDim, bool kIsBf16>
+void run_bwd_sm90(BwdParams& params, cudaStream_t stream);
+constexpr int kBwdSm90PadRows = 128;
+
 // Tile of the main backward kernel: query rows x key rows per CTA, and warps.
 struct BwdTile {
   int block_m, block_n, warps;

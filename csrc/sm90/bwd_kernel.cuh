@@ -1,0 +1,354 @@
+// Hopper backward (the FlashAttention-2 dQ/dK/dV algorithm on wgmma + TMA, warp-specialized).
+//
+// Two kernels (docs/kernels-sm90-bwd.md):
+//   bwd_preprocess_kernel  D = rowsum(dO * O) and lse * log2(e) per query row, written into
+//                          buffers padded to a multiple of kBlockM rows (pad: D = 0, lse = +inf,
+//                          so padded rows give P = 0 and need no mask), and the layout the
+//                          main kernel bulk-copies (16-byte aligned rows).
+//   bwd_kernel             one CTA per (key block, head, batch): a producer warp loads K, V once
+//                          and streams Q, dO, lse, D of every query block that sees the key
+//                          block through a kStages ring (TMA, mbarriers); two consumer
+//                          warpgroups, 64 keys each, compute per query block
+//                            S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse)   (wgmma SS)
+//                            dP^T = V dO^T                                         (wgmma SS)
+//                            dV += P^T dO                                          (wgmma RS)
+//                            dS^T = P^T * (dP^T - D) * scale
+//                            dK += dS^T Q                                          (wgmma RS)
+//                            dQ_i += dS K (dS through shared memory, fp32 atomics) (wgmma SS)
+//                          dK and dV stay in registers until the end.
+#pragma once
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+#include <cmath>
+
+#include "common/bwd_params.h"
+#include "common/fragment.h"
+#include "common/mask.h"
+#include "common/seqlen.h"
+#include "common/softmax.h"
+#include "sm90/bwd_kernel_traits.h"
+#include "sm90/fwd_kernel.cuh"  // warpgroup_gemm_issue, named barriers
+
+namespace flash_ext::sm90 {
+
+using namespace cute;
+
+template <typename Traits>
+struct BwdArgs {
+  using Element = typename Traits::Element;
+  using TensorShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, heads, batch)
+  using TensorStride = cute::Stride<int64_t, _1, int64_t, int64_t>;
+  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                       TensorShape{}, TensorStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(typename Traits::SmemLayoutQ{}),
+                                      Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, typename Traits::SmemLayoutK{},
+                                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
+  BwdParams p;
+  TmaQ tma_q, tma_do;
+  TmaK tma_k, tma_v;
+  TensorShape shape_q, shape_k;
+  // Padded (batch, heads_q, seqlen_q_padded) rows written by bwd_preprocess_kernel.
+  const float* lse_log2;
+  const float* dsum;
+  int seqlen_q_padded;
+};
+
+// D = rowsum(dO * O) over the real head dim, and lse in log2 units, into the padded buffers.
+// A warp per row; rows past seqlen_q (up to the padding) get D = 0, lse = +inf. Rows that see no
+// key (lse = -inf, output 0) also get lse = +inf: P = exp2(s - inf) = 0, never NaN.
+template <typename Element>
+__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_constant__ BwdParams p, float* lse_log2,
+                                                             float* dsum, int seqlen_q_padded) {
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * 8 + warp;
+  if (row >= seqlen_q_padded) return;
+  const int64_t out = (int64_t(batch) * p.heads_q + head) * seqlen_q_padded + row;
+  if (row >= p.seqlen_q) {
+    if (lane == 0) {
+      lse_log2[out] = INFINITY;
+      dsum[out] = 0.f;
+    }
+    return;
+  }
+  const Element* o_row = static_cast<const Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+                         int64_t(row) * p.o_row_stride;
+  const Element* do_row = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
+                          head * p.do_head_stride + int64_t(row) * p.do_row_stride;
+  float acc = 0.f;
+  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
+    const uint4 a = *reinterpret_cast<const uint4*>(o_row + c);
+    const uint4 b = *reinterpret_cast<const uint4*>(do_row + c);
+    const Element* ea = reinterpret_cast<const Element*>(&a);
+    const Element* eb = reinterpret_cast<const Element*>(&b);
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) acc += float(ea[i]) * float(eb[i]);
+  }
+  CUTE_UNROLL
+  for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
+  if (lane == 0) {
+    const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
+    lse_log2[out] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+    dsum[out] = acc;
+  }
+}
+
+// Sets masked entries of a transposed score tile (rows = keys, cols = queries) to -inf:
+// the seqlen_k edge and the causal / local window (see common/mask.h for the rule).
+template <bool kHasWindow, typename TensorS, typename TensorC>
+__device__ __forceinline__ void mask_transposed(TensorS& st, const TensorC& coords, int key0, int query0,
+                                                int seqlen_q, int seqlen_k, int window_left, int window_right) {
+  const int shift = seqlen_k - seqlen_q;
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(st); ++r) {
+    const int key = key0 + get<0>(coords(r, 0));
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(st); ++c) {
+      bool visible = key < seqlen_k;
+      if constexpr (kHasWindow) {
+        const int diag = query0 + get<1>(coords(0, c)) + shift;  // the key on this query's diagonal
+        if (window_right >= 0) visible &= key <= diag + window_right;
+        if (window_left >= 0) visible &= key >= diag - window_left;
+      }
+      if (!visible) st(r, c) = -INFINITY;
+    }
+  }
+}
+
+template <typename Traits, bool kHasWindow>
+__global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  const BwdParams& p = args.p;
+  const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int warp_group = threadIdx.x / 128;  // 0: producer
+  const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+  const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+  int m_min, m_max;
+  mask.query_block_range(n_block, m_min, m_max);
+
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    Barrier::init(&ss.barrier_kv, 1);
+  }
+  typename Pipeline::Params pipe_params;
+  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Traits::kMmaThreads;
+  pipe_params.transaction_bytes = Traits::kTmaBytesQ;
+  Pipeline pipeline_q(ss.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDSt{});
+
+  if (warp_group == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x != 0 || m_min >= m_max) return;
+    const int head_kv = head / (p.heads_q / p.heads_kv);
+    Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, batch);
+    Tensor mdO = args.tma_do.get_tma_tensor(args.shape_q)(_, _, head, batch);
+    Tensor mK = args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
+    Tensor mV = args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    const int64_t row_base = (int64_t(batch) * p.heads_q + head) * args.seqlen_q_padded;
+
+    Barrier::arrive_and_expect_tx(&ss.barrier_kv, Traits::kTmaBytesKV);
+    copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
+    copy(args.tma_v.with(ss.barrier_kv), tVgV, tVsV);
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
+    for (int m_block = m_min; m_block < m_max; ++m_block) {
+      pipeline_q.producer_acquire(write);
+      auto* bar = pipeline_q.producer_get_barrier(write);
+      const int stage = write.index();
+      copy(args.tma_q.with(*bar), tQgQ(_, m_block), tQsQ(_, stage));
+      copy(args.tma_do.with(*bar), tdOgdO(_, m_block), tdOsdO(_, stage));
+      const int64_t row = row_base + int64_t(m_block) * kBlockM;
+      SM90_BULK_COPY_G2S::copy(args.lse_log2 + row, bar, &ss.lse_log2[stage][0], kBlockM * sizeof(float));
+      SM90_BULK_COPY_G2S::copy(args.dsum + row, bar, &ss.dsum[stage][0], kBlockM * sizeof(float));
+      ++write;
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int mma_tid = threadIdx.x - 128;
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmaDKV mma_dkv;
+  typename Traits::TiledMmaDQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(mma_tid);
+  auto thr_dq = mma_dq.get_thread_slice(mma_tid);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tdSsdS = thr_sdp.partition_C(sdSt);  // this thread's dS^T elements in shared memory
+
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dv);
+  clear(acc_dk);
+  // (key, query) of each score element in the tile, and (query, col) of each dQ element.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor cS_rows = make_tensor(cS.data(), gmma_acc_as_rows_cols(cS.layout()));
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  const float scale_log2 = p.softmax_scale_log2;
+  const float softmax_scale = p.softmax_scale;
+  const bool use_softcap = p.softcap > 0.f;
+  // With softcap, tanh(S * scale / cap) is recovered from P: S' = ln(P) + lse (see sm80 bwd).
+  const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
+  float* dq_base = p.dq_accum + int64_t(batch) * p.dqa_batch_stride + head * p.dqa_head_stride;
+
+  if (m_min < m_max) {
+    Barrier::wait(&ss.barrier_kv, 0);
+    PipelineState read;
+    for (int m_block = m_min; m_block < m_max; ++m_block) {
+      const int stage = read.index();
+      const int buf = (m_block - m_min) & 1;
+      pipeline_q.consumer_wait(read);
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      warpgroup_gemm_issue<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+      warpgroup_gemm_issue<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_s);
+
+      // P^T = exp2(S^T * scale_log2 - lse_log2[query]).
+      Tensor st = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
+      if (use_softcap) apply_softcap(acc_s, softmax_scale / p.softcap, p.softcap);
+      if (mask.needs_mask(m_block, n_block)) {
+        mask_transposed<kHasWindow>(st, cS_rows, n_block * kBlockN, m_block * kBlockM, seqlen_q, seqlen_k,
+                                    p.window_left, p.window_right);
+      }
+      const float* lse_s = &ss.lse_log2[stage][0];
+      const float* dsum_s = &ss.dsum[stage][0];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(st); ++c) {
+        const float lse = lse_s[get<1>(cS_rows(0, c))];
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(st); ++r) st(r, c) = exp2f(st(r, c) * scale_log2 - lse);
+      }
+      Tensor rP = make_tensor<Element>(acc_s.layout());
+      convert_into(rP, acc_s);
+      Tensor tdVrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
+      warpgroup_gemm_issue<false, true>(mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), acc_dv);
+
+      // dS^T = P^T * (dP^T - D[query]) * scale (times the softcap derivative).
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_dp);
+      Tensor dpt = make_tensor(acc_dp.data(), gmma_acc_as_rows_cols(acc_dp.layout()));
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(dpt); ++c) {
+        const int q = get<1>(cS_rows(0, c));
+        const float d = dsum_s[q];
+        const float lse = use_softcap ? lse_s[q] : 0.f;
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(dpt); ++r) {
+          const float pr = st(r, c);
+          float ds = pr * (dpt(r, c) - d);
+          if (use_softcap) {
+            const float t = (__log2f(pr) + lse) * softcap_t_factor;
+            ds = pr > 0.f ? ds * (1.f - t * t) : 0.f;
+          }
+          dpt(r, c) = ds * softmax_scale;
+        }
+      }
+      Tensor rdS = make_tensor<Element>(acc_dp.layout());
+      convert_into(rdS, acc_dp);
+      Tensor tdKrdS = make_tensor(rdS.data(), gmma_acc_as_rs_a(rdS.layout()));
+      copy(rdS, tdSsdS(_, _, _, buf));
+      warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
+
+      // Both warpgroups' dS^T in shared memory (visible to the tensor cores), then dQ = dS K.
+      // Double-buffered dS: buffer buf was last read by the dQ GEMM two steps ago, which both
+      // warpgroups finished before the previous step's barrier.
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_sync(1, Traits::kMmaThreads);
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
+      warpgroup_gemm_issue<true, false>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dq);
+      pipeline_q.consumer_release(read);
+      ++read;
+
+      // dQ_i += dS K in fp32, two adjacent columns per atomic (values i, i+1 of a row).
+      const int rows_q = seqlen_q - m_block * kBlockM;
+      float* dq_tile = dq_base + int64_t(m_block) * kBlockM * p.dqa_row_stride;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); i += 2) {
+        const int row = get<0>(cdQ(i)), col = get<1>(cdQ(i));
+        if (row < rows_q && col < p.head_dim) {
+          float* dst = dq_tile + int64_t(row) * p.dqa_row_stride + col;
+          asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(acc_dq(i)), "f"(acc_dq(i + 1))
+                       : "memory");
+        }
+      }
+    }
+  }
+
+  // Epilogue: dK (already scaled) and dV in the input dtype, rows < seqlen_k, cols < head_dim.
+  const int rows_k = seqlen_k - n_block * kBlockN;
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Element* dk_tile = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride +
+                     int64_t(n_block) * kBlockN * p.dk_row_stride;
+  Element* dv_tile = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride +
+                     int64_t(n_block) * kBlockN * p.dv_row_stride;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); i += 2) {
+    const int row = get<0>(cKV(i)), col = get<1>(cKV(i));
+    if (row < rows_k && col < p.head_dim) {
+      cutlass::Array<Element, 2> k2, v2;
+      k2[0] = Element(acc_dk(i));
+      k2[1] = Element(acc_dk(i + 1));
+      v2[0] = Element(acc_dv(i));
+      v2[1] = Element(acc_dv(i + 1));
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk_tile + row * p.dk_row_stride + col) = k2;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv_tile + row * p.dv_row_stride + col) = v2;
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace flash_ext::sm90

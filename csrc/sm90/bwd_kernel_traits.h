@@ -1,0 +1,91 @@
+// Tiles, shared-memory layouts, MMAs and pipeline of the Hopper backward (docs/kernels-sm90-bwd.md).
+//
+// A CTA owns kBlockN = 128 keys; consumer warpgroup w owns keys [64w, 64w + 64). The scores are
+// computed transposed, S^T = K Q^T (keys x queries), so that P^T and dS^T are already the
+// register A operands of dV += P^T dO and dK += dS^T Q. dQ = dS K reads dS back from shared
+// memory; the two warpgroups split it by query rows (kBlockM = 128) or by head-dim columns
+// (kBlockM = 64).
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+namespace flash_ext::sm90 {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per step of the loop
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA, 64 per consumer warpgroup
+  static constexpr int kStages = kStages_;  // Q / dO / lse / D ring depth
+  static constexpr int kConsumerWGs = kBlockN / 64;
+  static_assert(kConsumerWGs == 2, "two consumer warpgroups");
+  static constexpr int kMmaThreads = kConsumerWGs * 128;
+  static constexpr int kThreads = kMmaThreads + 128;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  // dQ = dS K: split by rows when each warpgroup can take 64 query rows, else by columns (which
+  // then must be whole 64-wide swizzle atoms of K^T).
+  static constexpr bool kDqSplitRows = kBlockM == 128;
+  static_assert(kBlockM == 128 || (kBlockM == 64 && kHeadDim % 128 == 0), "dQ split");
+
+  using AtomKeys = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
+  // S^T = K Q^T and dP^T = V dO^T: both operands K-major in shared memory.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(), AtomKeys{}));
+  // dV += P^T dO and dK += dS^T Q: A from registers, B (dO^T, Q^T) MN-major in shared memory.
+  using TiledMmaDKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomKeys{}));
+  // dQ = dS K: dS (queries x keys) and K^T (head dim x keys) both MN-major in shared memory.
+  using AtomDq = std::conditional_t<kDqSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
+  using TiledMmaDQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64, Int<kDqSplitRows ? kHeadDim : kHeadDim / 2>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      AtomDq{}));
+
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  static_assert(kHeadDim % 64 == 0, "128-byte swizzled rows");
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // Q^T / dO^T (head dim x queries x stages): MN-major B operands of dK / dV.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // K^T (head dim x keys): MN-major B operand of dQ.
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  // dS (queries x keys x 2 buffers), queries contiguous: the MN-major A operand of dQ. The
+  // consumers write it through the transposed view dS^T (keys x queries x 2).
+  using SmemLayoutDS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutDSt = decltype(composition(
+      SmemLayoutDS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename cutlass::PipelineState<kStages>;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDS>> ds;
+    alignas(128) float lse_log2[kStages][kBlockM];
+    alignas(128) float dsum[kStages][kBlockM];
+    typename Pipeline::SharedStorage pipeline_q;
+    uint64_t barrier_kv;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+  // One stage: Q and dO tiles (TMA) and the lse / D rows (bulk copies).
+  static constexpr uint32_t kTmaBytesQ = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBlockM * sizeof(float);
+};
+
+}  // namespace flash_ext::sm90

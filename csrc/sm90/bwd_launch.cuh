@@ -1,0 +1,71 @@
+// Host side of the Hopper backward: TMA descriptors for Q, dO, K, V, the tile per head dim
+// (docs/kernels-sm90-bwd.md), the preprocess kernel and the main kernel's launch.
+#pragma once
+#include <cuda_runtime.h>
+#include <cutlass/numeric_types.h>
+
+#include "dispatch/bwd_dispatch.h"
+#include "sm90/bwd_kernel.cuh"
+
+namespace flash_ext {
+
+namespace sm90 {
+
+template <typename Traits, bool kHasWindow>
+void launch_bwd(BwdParams& p, cudaStream_t stream) {
+  using Args = BwdArgs<Traits>;
+  using Element = typename Traits::Element;
+  static_assert(kBwdSm90PadRows % Traits::kBlockM == 0);
+  Args args;
+  args.p = p;
+  args.lse_log2 = p.lse_log2;
+  args.dsum = p.dsum;
+  args.seqlen_q_padded = p.seqlen_q_padded;
+  args.shape_q = make_shape(p.seqlen_q, p.head_dim, p.heads_q, p.batch);
+  args.shape_k = make_shape(p.seqlen_k, p.head_dim, p.heads_kv, p.batch);
+  auto gtensor = [&](const void* ptr, auto shape, int64_t row, int64_t head, int64_t batch) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape, make_stride(row, _1{}, head, batch));
+  };
+  auto q_box = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{};
+  auto k_box = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{};
+  auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
+  args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.q, args.shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride),
+                             q_smem, q_box, _1{});
+  args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.dout, args.shape_q, p.do_row_stride, p.do_head_stride, p.do_batch_stride),
+                              q_smem, q_box, _1{});
+  args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.k, args.shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride),
+                             typename Traits::SmemLayoutK{}, k_box, _1{});
+  args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
+                             typename Traits::SmemLayoutK{}, k_box, _1{});
+
+  auto kernel = &bwd_kernel<Traits, kHasWindow>;
+  constexpr int smem = Traits::kSmemBytes;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  // Key blocks in blockIdx.x order: under a causal mask block 0 has the most query blocks, so
+  // the longest CTAs start first.
+  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
+  kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
+}
+
+}  // namespace sm90
+
+template <int kHeadDim, bool kIsBf16>
+void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
+  using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
+  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
+  {
+    const dim3 grid((p.seqlen_q_padded + 7) / 8, p.heads_q, p.batch);
+    sm90::bwd_preprocess_kernel<Element><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded);
+  }
+  if (p.seqlen_k == 0) return;
+  // (head dim, kBlockM queries, kBlockN keys, stages): see docs/kernels-sm90-bwd.md.
+  using Traits = std::conditional_t<kHeadDim <= 64, sm90::BwdTraits<kHeadDim, 128, 128, 2, Element>,
+                                    sm90::BwdTraits<kHeadDim, 64, 128, 2, Element>>;
+  if (p.has_window) {
+    sm90::launch_bwd<Traits, true>(p, stream);
+  } else {
+    sm90::launch_bwd<Traits, false>(p, stream);
+  }
+}
+
+}  // namespace flash_ext

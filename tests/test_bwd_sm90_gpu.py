@@ -1,0 +1,104 @@
+"""The Hopper (wgmma) backward, forced with FLASH_EXT_BWD_PATH=sm90, against the float32
+reference autograd (criterion: see tests/test_bwd_gpu.py), and the cases it must refuse with a
+clear error. Skipped without an sm90 GPU (the kernel is sm_90a only)."""
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from test_bwd_gpu import DTYPES, dname, flash_fwd_bwd, run_case
+
+pytestmark = requires_cuda
+
+
+def _is_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="the Hopper backward needs an sm90 GPU")
+
+
+@pytest.fixture(autouse=True)
+def _force_sm90(monkeypatch):
+    monkeypatch.setenv("FLASH_EXT_BWD_PATH", "sm90")
+    torch.manual_seed(0)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("d", [32, 64, 80, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (97, 97), (113, 203), (203, 113), (1025, 1025), (700, 2100)])
+def test_sm90_core(dtype, d, causal, sq, sk):
+    b, h = (1, 2) if max(sq, sk) >= 1025 else (2, 2)
+    run_case(b, sq, sk, h, h, d, dtype, f"sm90 {dname(dtype)} d={d} {sq}x{sk} causal={causal}", causal=causal)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kw", [dict(window=(0, 0)), dict(window=(16, 0)), dict(window=(-1, 8)),
+                                dict(window=(100, 30)), dict(softcap=30.0), dict(softcap=5.0, causal=True),
+                                dict(softmax_scale=0.3, causal=True)], ids=str)
+@pytest.mark.parametrize("sq,sk", [(300, 300), (113, 530), (530, 113)])
+def test_sm90_features(dtype, d, kw, sq, sk):
+    run_case(2, sq, sk, 2, 2, d, dtype, f"sm90 d={d} {sq}x{sk} {kw}", **kw)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("hkv", [4, 1])
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False)])
+def test_sm90_gqa(dtype, hkv, d, causal):
+    run_case(2, 333, 333, 8, hkv, d, dtype, f"sm90 gqa hkv={hkv} d={d}", causal=causal)
+
+
+@requires_sm90
+@pytest.mark.parametrize("sq,sk,kw", [(64, 200, dict(window=(0, -1))), (300, 20, dict(causal=True))], ids=str)
+def test_sm90_rows_without_keys(sq, sk, kw):
+    """Rows that see no key (lse = -inf) give zero dq and no NaN."""
+    run_case(2, sq, sk, 2, 2, 128, torch.bfloat16, f"sm90 masked rows {sq}x{sk} {kw}", **kw)
+
+
+@requires_sm90
+def test_sm90_strided_inputs():
+    """q, k, v as slices of one packed qkv tensor (non-contiguous head / batch strides)."""
+    qkv = torch.randn(2, 257, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    dout = torch.randn_like(q)
+    from test_bwd_gpu import check_grads, ref_grads
+    _, _, dq, dk, dv = flash_fwd_bwd(q, k, v, dout, causal=True)
+    ref = ref_grads(q, k, v, dout, upcast=True, causal=True)
+    pt = ref_grads(q, k, v, dout, upcast=False, causal=True)
+    check_grads((dq, dk, dv), ref, pt, "sm90 strided qkv")
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("d,kw", [(64, dict()), (128, dict(causal=True)), (128, dict(window=(300, 50)))], ids=str)
+def test_sm90_agrees_with_sm80(dtype, d, kw, monkeypatch):
+    q = torch.randn(2, 1500, 4, d, device="cuda", dtype=dtype)
+    k = torch.randn(2, 1400, 2, d, device="cuda", dtype=dtype)
+    v = torch.randn(2, 1400, 2, d, device="cuda", dtype=dtype)
+    dout = torch.randn_like(q)
+    sm90 = flash_fwd_bwd(q, k, v, dout, **kw)[2:]
+    monkeypatch.setenv("FLASH_EXT_BWD_PATH", "sm80")
+    sm80 = flash_fwd_bwd(q, k, v, dout, **kw)[2:]
+    for name, a, b in zip(("dq", "dk", "dv"), sm90, sm80):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2, msg=name)
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", ["d=256", "deterministic", "varlen"])
+def test_sm90_refuses_unsupported(case):
+    """Forcing the Hopper backward where it does not apply is a clear error, not a crash."""
+    d = 256 if case == "d=256" else 64
+    q = torch.randn(1, 64, 2, d, device="cuda", dtype=torch.float16)
+    kw = dict(deterministic=True) if case == "deterministic" else {}
+    if case == "varlen":
+        cu = torch.tensor([0, 30, 64], device="cuda", dtype=torch.int32)
+        q = q[0]
+        kw = dict(cu_q=cu, cu_k=cu, max_sq=34, max_sk=34)
+    with pytest.raises(RuntimeError, match="FLASH_EXT_BWD_PATH=sm90"):
+        flash_fwd_bwd(q, q, q, torch.randn_like(q), **kw)
