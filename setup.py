@@ -63,10 +63,11 @@ def make_extension() -> CUDAExtension:
         fail("missing generated sources (run `python tools/gen_instantiations.py`): " + ", ".join(missing))
     api = ROOT / "csrc" / "flash_api.cpp"
     bwd_api = ROOT / "csrc" / "flash_bwd_api.cpp"  # registers flash_ext::bwd
-    for f in (api, bwd_api):
+    dropout_mask = ROOT / "csrc" / "dropout_mask.cu"  # the flash_ext::dropout_mask kernel
+    for f in (api, bwd_api, dropout_mask):
         if not f.is_file():
             fail(f"missing {f.relative_to(ROOT)}")
-    sources = [str(p.relative_to(ROOT)) for p in [api, bwd_api] + kernel_sources]
+    sources = [str(p.relative_to(ROOT)) for p in [api, bwd_api, dropout_mask] + kernel_sources]
 
     # One argv entry per flag, unquoted: torch's ninja writer shell-quotes every flag itself
     # (so -DFLASH_EXT_BUILD_INFO="archs=80;90a ..." reaches the compiler intact).

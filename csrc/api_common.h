@@ -4,7 +4,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
+#include <optional>
 
 #include "params.h"
 
@@ -64,6 +66,32 @@ inline bool tma_compatible(const FwdParams& p) {
                              (p.q_batch_stride > 0 && p.k_batch_stride > 0 && p.v_batch_stride > 0);
   return keys && batch_strides && p.q_row_stride > 0 && p.k_row_stride > 0 && p.v_row_stride > 0 &&
          (p.heads_q == 1 || p.q_head_stride > 0) && (p.heads_kv == 1 || (p.k_head_stride > 0 && p.v_head_stride > 0));
+}
+
+// Dropout fields of the parameters (common/dropout.h) from the op arguments. rng_state: the
+// int64 CPU tensor [seed, offset] that flash_ext::dropout_rng_state returned (read on the host:
+// no device sync). dropout_p == 0 leaves dropout off (rng_state is then ignored).
+inline void set_dropout_params(FwdParams& p, double dropout_p, const std::optional<at::Tensor>& rng_state) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "flash_ext: dropout_p must be in [0, 1]; got ", dropout_p);
+  p.dropout_p = 0.f;
+  p.dropout_scale = 1.f;
+  p.dropout_threshold = 0;
+  p.dropout_seed = p.dropout_offset = 0;
+  if (dropout_p == 0.0) return;
+  TORCH_CHECK(rng_state.has_value(), "flash_ext: dropout_p > 0 needs rng_state (from flash_ext::dropout_rng_state)");
+  const at::Tensor& rs = *rng_state;
+  TORCH_CHECK(rs.device().is_cpu() && rs.scalar_type() == at::kLong && rs.numel() == 2,
+              "flash_ext: rng_state must be an int64 CPU tensor of 2 elements [seed, offset]; got ",
+              rs.scalar_type(), " ", rs.sizes(), " on ", rs.device());
+  const at::Tensor c = rs.contiguous();
+  p.dropout_seed = static_cast<uint64_t>(c.data_ptr<int64_t>()[0]);
+  p.dropout_offset = static_cast<uint64_t>(c.data_ptr<int64_t>()[1]);
+  p.dropout_p = float(dropout_p);
+  // Dropped iff word < floor(p * 2^32 + 0.5) (exact in double). p = 1: threshold 2^32 does not
+  // fit; 2^32 - 1 with a keep scale of 0 gives the same result (nothing survives).
+  const double t = std::floor(dropout_p * 4294967296.0 + 0.5);
+  p.dropout_threshold = t >= 4294967295.0 ? 0xffffffffu : static_cast<uint32_t>(t);
+  p.dropout_scale = dropout_p >= 1.0 ? 0.f : float(1.0 / (1.0 - dropout_p));
 }
 
 }  // namespace flash_ext

@@ -2,6 +2,8 @@
 // and the torch.library op registrations of the forward (the backward: flash_bwd_api.cpp).
 #include <Python.h>
 #include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,9 +11,11 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <string>
 
+#include "dispatch/dropout_dispatch.h"
 #include "dispatch/fwd_dispatch.h"
 #include "api_common.h"
 #include "params.h"
@@ -106,6 +110,7 @@ void run_fwd_sm90_hdim(FwdParams& p, int kd, cudaStream_t stream) {
 // Which forward implementation runs: FLASH_EXT_FWD_PATH=sm80 or sm90 forces one (tests and
 // benchmarks compare the two on one GPU); the default picks the Hopper kernel on sm90 devices
 // when this build has it for the head dim, else the sm80 kernel (which runs on sm80 and newer).
+// Dropout exists only in the sm80 kernel: dropout_p > 0 always runs it.
 enum class FwdPath { kSm80, kSm90 };
 
 FwdPath choose_fwd_path(const FwdParams& p, int device) {
@@ -130,11 +135,11 @@ FwdPath choose_fwd_path(const FwdParams& p, int device) {
       false;
 #endif
   sm90_ok = major == 9 && kernel_head_dim_sm90(p.head_dim) != 0 && (p.is_bf16 ? bf16_ok : fp16_ok) &&
-            tma_compatible(p);
+            tma_compatible(p) && !(p.dropout_p > 0.f);
 #endif
   if (forced == "sm90") {
     TORCH_CHECK(sm90_ok, "flash_ext: FLASH_EXT_FWD_PATH=sm90 needs an sm90 GPU and a build with 90a in ",
-                "FLASH_EXT_ARCHS covering head dim ", p.head_dim, " (", FLASH_EXT_BUILD_INFO, ")");
+                "FLASH_EXT_ARCHS covering head dim ", p.head_dim, " and dropout_p = 0 (", FLASH_EXT_BUILD_INFO, ")");
     return FwdPath::kSm90;
   }
   if (forced == "sm80") return FwdPath::kSm80;
@@ -181,7 +186,8 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
                        const at::Tensor& out, const std::optional<at::Tensor>& cu_seqlens_q,
                        const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
                        int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
-                       int64_t window_right, double softcap) {
+                       int64_t window_right, double softcap, double dropout_p,
+                       const std::optional<at::Tensor>& rng_state) {
   const bool varlen = cu_seqlens_q.has_value();
   TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
               "flash_ext: give both cu_seqlens_q and cu_seqlens_k, or neither");
@@ -226,6 +232,7 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.window_left = int(window_left);
   p.window_right = int(window_right);
   p.has_window = window_left >= 0 || window_right >= 0;
+  set_dropout_params(p, dropout_p, rng_state);
   const char* pingpong = std::getenv("FLASH_EXT_SM90_PINGPONG");
   p.sm90_pingpong = !(pingpong && std::string(pingpong) == "0");
   const char* persistent = std::getenv("FLASH_EXT_SM90_PERSISTENT");
@@ -291,11 +298,13 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
                                        const std::optional<at::Tensor>& cu_seqlens_q,
                                        const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
                                        int64_t max_seqlen_k, double softmax_scale, bool causal,
-                                       int64_t window_left, int64_t window_right, double softcap) {
+                                       int64_t window_left, int64_t window_right, double softcap,
+                                       double dropout_p, const std::optional<at::Tensor>& rng_state) {
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   FwdParams p;
   at::Tensor lse = prepare_fwd(p, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale, causal, window_left, window_right, softcap);
+                               softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+                               rng_state);
   launch(p, q);
   return {out, lse};
 }
@@ -303,15 +312,60 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
 at::Tensor fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
                    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
-                   int64_t window_left, int64_t window_right, double softcap) {
+                   int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+                   const std::optional<at::Tensor>& rng_state) {
   FwdParams p;
   at::Tensor lse = prepare_fwd(p, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale, causal, window_left, window_right, softcap);
+                               softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+                               rng_state);
   launch(p, q);
   return lse;
 }
 
 std::string build_info() { return FLASH_EXT_BUILD_INFO; }
+
+// Dropout rng state for one attention call: [seed, offset] (int64, CPU) from the default CUDA
+// generator of q's device, advancing its offset (so consecutive calls get different masks;
+// torch.manual_seed makes runs reproducible). Read on the host: not usable while a CUDA graph
+// is being captured.
+at::Tensor dropout_rng_state(const at::Tensor& q) {
+  TORCH_CHECK(q.is_cuda(), "flash_ext: dropout_rng_state needs a CUDA tensor");
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(q.get_device()));
+  at::PhiloxCudaState state;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    state = gen->philox_cuda_state(4);  // one counter word per call (common/dropout.h)
+  }
+  TORCH_CHECK(!state.captured_, "flash_ext: attention dropout is not supported under CUDA graph capture");
+  at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  out.data_ptr<int64_t>()[0] = static_cast<int64_t>(state.seed_.val);
+  out.data_ptr<int64_t>()[1] = static_cast<int64_t>(state.offset_.val);
+  return out;
+}
+
+// The kernels' keep mask as a bool (batch, heads, seqlen_q, seqlen_k) tensor on q's device
+// (testing and return_attn_probs only: O(N^2) memory). Varlen: sequence b's mask is the
+// [b, :, :seqlen_q_b, :seqlen_k_b] corner (rows and columns count from each sequence's start).
+at::Tensor dropout_mask(const at::Tensor& q, const at::Tensor& rng_state, int64_t batch, int64_t heads,
+                        int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
+  TORCH_CHECK(q.is_cuda(), "flash_ext: dropout_mask needs a CUDA tensor q (for the device)");
+  TORCH_CHECK(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "flash_ext: dropout_mask sizes must be >= 0");
+  TORCH_CHECK(batch * heads < (int64_t(1) << 32) && seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31),
+              "flash_ext: dropout_mask sizes too large");
+  FwdParams p{};
+  set_dropout_params(p, dropout_p, rng_state);
+  at::Tensor keep = at::empty({batch, heads, seqlen_q, seqlen_k}, q.options().dtype(at::kBool));
+  if (keep.numel() == 0) return keep;
+  if (dropout_p == 0.0) return keep.fill_(true);
+  const uint64_t threshold = dropout_p >= 1.0 ? (uint64_t(1) << 32) : uint64_t(p.dropout_threshold);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+  launch_dropout_mask(keep.data_ptr<bool>(), p.dropout_seed, p.dropout_offset, threshold, int(batch),
+                      int(heads), int(seqlen_q), int(seqlen_k), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return keep;
+}
 
 }  // namespace
 }  // namespace flash_ext
@@ -320,15 +374,22 @@ TORCH_LIBRARY(flash_ext, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
-      "float softcap) -> (Tensor, Tensor)");
+      "float softcap, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor, Tensor)");
   m.def(
       "fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, "
-      "int window_right, float softcap) -> Tensor");
+      "int window_right, float softcap, float dropout_p=0.0, Tensor? rng_state=None) -> Tensor");
   m.def("build_info() -> str", &flash_ext::build_info);
+  // Draws from torch's CUDA generator: tagged so that compilers neither merge nor drop calls.
+  m.def("dropout_rng_state(Tensor q) -> Tensor", {at::Tag::nondeterministic_seeded});
+  m.def(
+      "dropout_mask(Tensor q, Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, "
+      "float dropout_p) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {
   m.impl("fwd", &flash_ext::fwd);
   m.impl("fwd_out", &flash_ext::fwd_out);
+  m.impl("dropout_rng_state", &flash_ext::dropout_rng_state);
+  m.impl("dropout_mask", &flash_ext::dropout_mask);
 }

@@ -155,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& out, const at::Tensor& lse_in, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-    bool deterministic) {
+    bool deterministic, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   const bool varlen = cu_seqlens_q.has_value();
   TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
               "flash_ext: give both cu_seqlens_q and cu_seqlens_k, or neither");
@@ -216,6 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   p.window_right = int(window_right);
   p.has_window = window_left >= 0 || window_right >= 0;
   p.deterministic = deterministic;
+  set_dropout_params(p, dropout_p, rng_state);  // the forward's mask, regenerated (common/dropout.h)
   {
     // The pipelined main kernel (variant 2, docs/kernels-sm80-bwd.md) is the default: 1.25-1.55x
     // faster than variant 1 on an H200. FLASH_EXT_BWD_VARIANT=1 selects the first kernel.
@@ -352,8 +353,8 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
       "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
-      "int window_left, int window_right, float softcap, bool deterministic) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window_left, int window_right, float softcap, bool deterministic, float dropout_p=0.0, "
+      "Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("bwd", &flash_ext::bwd); }

@@ -44,6 +44,15 @@ struct FwdParams {
 
   bool is_bf16;
 
+  // Attention dropout (common/dropout.h). dropout_p > 0 selects the sm80 kernels' dropout
+  // variants; the Hopper paths do not implement it and test `dropout_p > 0.f` to fall back.
+  // Element (row, col) of P is dropped iff its Philox word < dropout_threshold; kept elements
+  // are scaled by dropout_scale = 1 / (1 - p) (0 when p == 1). seed/offset: the rng state.
+  float dropout_p;
+  float dropout_scale;
+  uint32_t dropout_threshold;
+  uint64_t dropout_seed, dropout_offset;
+
   // Hopper kernel: order the two consumer warpgroups' GEMMs (ping-pong). On by default;
   // FLASH_EXT_SM90_PINGPONG=0 turns it off (for measurements).
   bool sm90_pingpong;

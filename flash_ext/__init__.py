@@ -59,8 +59,10 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
              cu_seqlens_k: Optional[torch.Tensor] = None,
              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
              deterministic: bool = False,
-             out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention forward. Returns ``(out, lse)``.
+             out: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+             rng_state: Optional[torch.Tensor] = None):
+    """Exact attention forward. Returns ``(out, lse)``, or ``(out, lse, rng_state)`` when
+    ``dropout_p > 0``.
 
     Differentiable: when q, k or v requires grad (and grad mode is on), autograd computes
     dq, dk, dv with the backward kernel (``lse`` is returned non-differentiable: no gradient
@@ -84,21 +86,49 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             speed). The forward is deterministic either way.
         out: optional output tensor of q's shape and dtype to write into. Not differentiable:
             raises if q, k or v requires grad.
+        dropout_p: attention dropout probability in [0, 1]: each entry of the softmax
+            probabilities P is dropped with probability dropout_p and the kept ones are scaled
+            by 1 / (1 - dropout_p) (lse stays the plain softmax's). Applied whenever > 0 (pass 0
+            for evaluation). Runs the FlashAttention-2 (sm80) kernel on every GPU.
+        rng_state: int64 CPU tensor [seed, offset] fixing the dropout mask; default: drawn from
+            torch's default CUDA generator (so torch.manual_seed makes runs reproducible, and
+            each call gets a fresh mask). The mask depends only on rng_state and the (batch,
+            head, query, key) position (csrc/common/dropout.h).
 
     Returns:
         out: q's shape and dtype.
         lse: float32 log-sum-exp of the scaled scores (natural log), (batch, nheads_q, seqlen_q)
             or varlen (nheads_q, total_q). Rows that see no key have out 0 and lse -inf.
+        rng_state (only when dropout_p > 0): the int64 CPU [seed, offset] tensor the mask came
+            from; pass it to :func:`attn_bwd` (autograd does that itself).
     """
     varlen = _validation.check_fwd_inputs(
         q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, out=out)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if out is not None and needs_grad:
+    _validation.check_dropout(dropout_p, rng_state)
+    dropout_p = float(dropout_p)
+    if out is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(
             "flash_ext.attn_fwd: out= does not support automatic differentiation (one of q, k, "
             "v requires grad); call it without out=")
+    if dropout_p > 0.0:
+        if rng_state is None:
+            rng_state = ops._dropout_rng_state(q)
+        o, lse = _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap,
+                                cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                deterministic, out, varlen, dropout_p, rng_state)
+        return o, lse, rng_state
+    return _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q,
+                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, out, varlen,
+                          0.0, None)
+
+
+def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q,
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, out, varlen: bool,
+                   dropout_p: float, rng_state):
+    """attn_fwd after the checks: (out, lse)."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
 
     d = q.shape[-1]
     args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
@@ -130,13 +160,14 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         # The differentiable path: flash_ext::attn records `deterministic` for the backward and
         # handles the calls with nothing to launch itself.
         o, lse = ops._attn(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args,
-                           bool(deterministic))
+                           bool(deterministic), dropout_p, rng_state)
         return (o[..., :d] if d_pad != d else o), lse
 
     if out is not None and d_pad == d and _is_aligned(out):
-        lse = ops._fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, mq, mk, *args)
+        lse = ops._fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p,
+                           rng_state)
         return out, lse
-    o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args)
+    o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p, rng_state)
     if d_pad != d:
         o = o[..., :d]
     if out is not None:
@@ -152,8 +183,9 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              cu_seqlens_k: Optional[torch.Tensor] = None,
              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
              deterministic: bool = False, dq: Optional[torch.Tensor] = None,
-             dk: Optional[torch.Tensor] = None,
-             dv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
+             dropout_p: float = 0.0, rng_state: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact attention backward: the gradients of ``out = attn_fwd(q, k, v, ...)`` with respect
     to q, k, v, given dout (the gradient with respect to out). Returns ``(dq, dk, dv)``.
 
@@ -168,6 +200,8 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             fp32 copies of dq of workspace and some speed).
         dq, dk, dv: optional tensors (like q, k, v: shape, dtype, device; any strides) to write
             the gradients into; each one given is returned as is.
+        dropout_p, rng_state: the forward's dropout probability and the rng_state it returned
+            (required when dropout_p > 0: the backward regenerates the same mask).
 
     Returns:
         dq, dk, dv: shaped like q, k, v in their dtype: the given tensors, else new ones
@@ -182,6 +216,10 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq=dq, dk=dk, dv=dv)
+    _validation.check_dropout(dropout_p, rng_state, need_rng_state=True)
+    dropout_p = float(dropout_p)
+    if dropout_p == 0.0:
+        rng_state = None
     d = q.shape[-1]
     args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
     if varlen:
@@ -204,7 +242,7 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             else:
                 tensors = tuple(_aligned(t) for t in tensors)
             grads = ops._bwd(*tensors, lse, cu_seqlens_q, cu_seqlens_k, mq, mk, *args,
-                             bool(deterministic))
+                             bool(deterministic), dropout_p, rng_state)
             if d_pad != d:
                 grads = tuple(g[..., :d] for g in grads)
         result = []

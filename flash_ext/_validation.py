@@ -49,6 +49,7 @@ __all__ = [
     "check_softmax_scale",
     "check_softcap",
     "check_window_size",
+    "check_dropout",
     "check_out",
     "check_like",
     "check_lse",
@@ -293,6 +294,29 @@ def check_softcap(softcap) -> None:
         raise ValueError(f"flash_ext: softcap must be finite; got {softcap}")
     if softcap < 0:
         raise ValueError(f"flash_ext: softcap must be >= 0 (0 disables it); got {softcap}")
+
+
+def check_dropout(dropout_p, rng_state=None, *, need_rng_state: bool = False) -> None:
+    """dropout_p a number in [0, 1]; rng_state None or an int64 CPU tensor of 2 elements
+    [seed, offset] (what attn_fwd returns with dropout). need_rng_state: the backward, which
+    must regenerate the forward's mask, needs it when dropout_p > 0."""
+    if not _is_number(dropout_p):
+        raise TypeError(f"flash_ext: dropout_p must be a float; got {type(dropout_p).__name__}")
+    if isinstance(dropout_p, (int, float)) and not (0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"flash_ext: dropout_p must be a number in [0, 1]; got {dropout_p!r}")
+    if rng_state is None:
+        if need_rng_state and dropout_p > 0:
+            raise ValueError(
+                "flash_ext: dropout_p > 0 in the backward needs the forward's rng_state (the "
+                "third value attn_fwd returns with dropout)")
+        return
+    if not isinstance(rng_state, torch.Tensor):
+        raise TypeError(
+            f"flash_ext: rng_state must be a torch.Tensor or None; got {type(rng_state).__name__}")
+    if rng_state.dtype != torch.int64 or rng_state.numel() != 2 or rng_state.device.type != "cpu":
+        raise ValueError(
+            f"flash_ext: rng_state must be an int64 CPU tensor of 2 elements [seed, offset]; got "
+            f"{_dtype_name(rng_state.dtype)} {_shape(rng_state)} on {rng_state.device}")
 
 
 def check_window_size(window_size) -> None:

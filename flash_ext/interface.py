@@ -6,24 +6,36 @@
 
 Layouts: q (batch, seqlen, nheads, headdim); kv packed (batch, seqlen_k, 2, nheads_kv, headdim);
 qkv packed (batch, seqlen, 3, nheads, headdim); varlen (total_tokens, nheads, headdim) with
-int32 cu_seqlens. With ``return_attn_probs=True`` the functions return ``(out, lse, None)``:
-lse is (batch, nheads, seqlen_q) or varlen (nheads, total_q); the attention probabilities are
-only returned by FlashAttention when dropout is on, which flash_ext does not support yet.
+int32 cu_seqlens. With ``return_attn_probs=True`` the functions return ``(out, lse, S_dmask)``:
+lse is (batch, nheads, seqlen_q) or varlen (nheads, total_q). S_dmask is None without dropout
+(as before); with dropout_p > 0 it is a float32 (batch, nheads, seqlen_q, seqlen_k) tensor (varlen:
+(batch, nheads, max_seqlen_q, max_seqlen_k), each sequence in its top-left corner) of the
+dropped-out, normalized probabilities P * keep / (1 - dropout_p): 0 where dropped or masked, so
+that out = S_dmask @ v up to rounding. It is built from the kernel's own mask (the
+flash_ext::dropout_mask op) and P recomputed from q, k and lse in float32: O(seqlen_q * seqlen_k)
+memory, a testing aid only (FlashAttention documents its S_dmask the same way).
+
+Dropout: ``dropout_p > 0`` drops each attention probability with that probability and scales the
+kept ones by 1 / (1 - dropout_p), whenever it is > 0 (pass 0.0 for evaluation). The mask comes
+from torch's default CUDA generator (torch.manual_seed reproduces it) and autograd's backward
+regenerates the same mask. Dropout runs the FlashAttention-2 (sm80) kernels on every GPU.
 
 All of them are differentiable (autograd, eager or torch.compile): the gradients of q, k, v
 (or of the packed kv / qkv) come from flash_ext's backward kernel. ``deterministic=True`` makes
 that backward bitwise reproducible (no atomics; more workspace, somewhat slower); the forward
 is deterministic either way. The returned lse carries no gradient.
 
-Not supported yet (NotImplementedError): dropout_p > 0, alibi_slopes, block_table (paged KV).
+Not supported yet (NotImplementedError): alibi_slopes, block_table (paged KV).
 """
 
 from __future__ import annotations
 
+import math
 
 import torch
 
-from flash_ext import attn_fwd
+from flash_ext import attn_fwd, ops
+from flash_ext.reference import local_mask
 
 __all__ = [
     "flash_attn_func",
@@ -36,12 +48,9 @@ __all__ = [
 
 
 def _check_unsupported(fn: str, dropout_p, alibi_slopes, block_table=None) -> None:
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+    if (not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool)
+            or not 0.0 <= dropout_p <= 1.0):
         raise ValueError(f"flash_ext.{fn}: dropout_p must be a number in [0, 1]; got {dropout_p!r}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(
-            f"flash_ext.{fn}: dropout (dropout_p={dropout_p}) is not supported yet; pass "
-            f"dropout_p=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError(f"flash_ext.{fn}: alibi_slopes are not supported yet")
     if block_table is not None:
@@ -56,19 +65,71 @@ def _unpack(fn: str, name: str, t: torch.Tensor, dim: int, n: int, ndim: int, la
     return t.unbind(dim)
 
 
-def _result(out, lse, return_attn_probs: bool):
-    return (out, lse, None) if return_attn_probs else out
+def _dropped_probs(q, k, lse, rng_state, dropout_p, softmax_scale, causal, window_size, softcap,
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """S_dmask of return_attn_probs with dropout: P * keep / (1 - p) in float32, (batch, heads,
+    seqlen_q, seqlen_k), keep from the kernels' own mask op. O(N^2) memory: testing only."""
+    with torch.no_grad():
+        d = q.shape[-1]
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+        keep_scale = 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
+        hq, hkv = q.shape[-2], k.shape[-2]
+
+        def probs(qs, ks, lse_s):  # (sq, hq, d), (sk, hkv, d), (hq, sq) -> (hq, sq, sk)
+            kf = ks.float().repeat_interleave(hq // hkv, dim=1)
+            s = torch.einsum("qhd,khd->hqk", qs.float() * scale, kf)
+            if softcap > 0:
+                s = torch.tanh(s / softcap) * softcap
+            wl, wr = window_size
+            if causal or wl >= 0 or wr >= 0:
+                vis = local_mask(qs.shape[0], ks.shape[0], (wl, wr), causal, device=q.device)
+                s = s.masked_fill(~vis, float("-inf"))
+            lse_f = lse_s.float().unsqueeze(-1)
+            p = torch.exp(s - torch.where(torch.isinf(lse_f), torch.zeros_like(lse_f), lse_f))
+            return torch.where(torch.isinf(lse_f), torch.zeros_like(p), p)
+
+        if cu_seqlens_q is None:
+            b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+            keep = ops._dropout_mask(q, rng_state, b, hq, sq, sk, float(dropout_p))
+            p = torch.stack([probs(q[i], k[i], lse[i]) for i in range(b)]) if b else \
+                torch.zeros(0, hq, sq, sk, device=q.device)
+            return p * keep * keep_scale
+        cq = [int(x) for x in cu_seqlens_q.tolist()]
+        ck = [int(x) for x in cu_seqlens_k.tolist()]
+        b, mq, mk = len(cq) - 1, int(max_seqlen_q), int(max_seqlen_k)
+        keep = ops._dropout_mask(q, rng_state, b, hq, mq, mk, float(dropout_p))
+        out = torch.zeros(b, hq, mq, mk, dtype=torch.float32, device=q.device)
+        for i in range(b):
+            q0, q1, k0, k1 = cq[i], cq[i + 1], ck[i], ck[i + 1]
+            if q1 > q0 and k1 > k0:
+                out[i, :, :q1 - q0, :k1 - k0] = probs(q[q0:q1], k[k0:k1], lse[:, q0:q1])
+        return out * keep * keep_scale
+
+
+def _run(q, k, v, dropout_p, return_attn_probs: bool, **kw):
+    """attn_fwd, then the FlashAttention return convention: out, or (out, lse, S_dmask)."""
+    res = attn_fwd(q, k, v, dropout_p=dropout_p, **kw)
+    out, lse = res[0], res[1]
+    if not return_attn_probs:
+        return out
+    if dropout_p == 0:
+        return out, lse, None
+    s_dmask = _dropped_probs(
+        q, k, lse, res[2], dropout_p, kw.get("softmax_scale"), kw.get("causal", False),
+        kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0), kw.get("cu_seqlens_q"),
+        kw.get("cu_seqlens_k"), kw.get("max_seqlen_q"), kw.get("max_seqlen_k"))
+    return out, lse, s_dmask
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False):
     """q (b, sq, hq, d), k and v (b, sk, hkv, d) -> out (b, sq, hq, d)
-    [or (out, lse, None) with return_attn_probs]."""
+    [or (out, lse, S_dmask) with return_attn_probs]."""
     _check_unsupported("flash_attn_func", dropout_p, alibi_slopes)
-    out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, deterministic=deterministic)
-    return _result(out, lse, return_attn_probs)
+    return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
+                causal=causal, window_size=window_size, softcap=softcap,
+                deterministic=deterministic)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -78,9 +139,9 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     fn = "flash_attn_kvpacked_func"
     _check_unsupported(fn, dropout_p, alibi_slopes)
     k, v = _unpack(fn, "kv", kv, 2, 2, 5, "(batch, seqlen_k, 2, nheads_kv, headdim)")
-    out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, deterministic=deterministic)
-    return _result(out, lse, return_attn_probs)
+    return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
+                causal=causal, window_size=window_size, softcap=softcap,
+                deterministic=deterministic)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -90,9 +151,9 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     fn = "flash_attn_qkvpacked_func"
     _check_unsupported(fn, dropout_p, alibi_slopes)
     q, k, v = _unpack(fn, "qkv", qkv, 2, 3, 5, "(batch, seqlen, 3, nheads, headdim)")
-    out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, deterministic=deterministic)
-    return _result(out, lse, return_attn_probs)
+    return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
+                causal=causal, window_size=window_size, softcap=softcap,
+                deterministic=deterministic)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -100,14 +161,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
     """q (total_q, hq, d), k and v (total_k, hkv, d), cu_seqlens int32 (batch + 1,)
-    -> out (total_q, hq, d) [or (out, lse (hq, total_q), None)]."""
+    -> out (total_q, hq, d) [or (out, lse (hq, total_q), S_dmask)]."""
     _check_unsupported("flash_attn_varlen_func", dropout_p, alibi_slopes, block_table)
-    out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, deterministic=deterministic,
-                        cu_seqlens_q=cu_seqlens_q,
-                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                        max_seqlen_k=max_seqlen_k)
-    return _result(out, lse, return_attn_probs)
+    return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
+                causal=causal, window_size=window_size, softcap=softcap,
+                deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -119,12 +178,10 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     fn = "flash_attn_varlen_kvpacked_func"
     _check_unsupported(fn, dropout_p, alibi_slopes)
     k, v = _unpack(fn, "kv", kv, 1, 2, 4, "(total_k, 2, nheads_kv, headdim)")
-    out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, deterministic=deterministic,
-                        cu_seqlens_q=cu_seqlens_q,
-                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                        max_seqlen_k=max_seqlen_k)
-    return _result(out, lse, return_attn_probs)
+    return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
+                causal=causal, window_size=window_size, softcap=softcap,
+                deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -135,8 +192,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     fn = "flash_attn_varlen_qkvpacked_func"
     _check_unsupported(fn, dropout_p, alibi_slopes)
     q, k, v = _unpack(fn, "qkv", qkv, 1, 3, 4, "(total, 3, nheads, headdim)")
-    out, lse = attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, deterministic=deterministic,
-                        cu_seqlens_q=cu_seqlens,
-                        cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
-    return _result(out, lse, return_attn_probs)
+    return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
+                causal=causal, window_size=window_size, softcap=softcap,
+                deterministic=deterministic, cu_seqlens_q=cu_seqlens,
+                cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)

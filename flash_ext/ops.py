@@ -3,24 +3,36 @@
 Importing ``flash_ext._C`` registers, in C++ (csrc/flash_api.cpp, csrc/flash_bwd_api.cpp):
 
     torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            softmax_scale, causal, window_left, window_right, softcap) -> (out, lse)
+                            softmax_scale, causal, window_left, window_right, softcap,
+                            dropout_p=0.0, rng_state=None) -> (out, lse)
     torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, ...same...) -> lse   (writes out)
     torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                            softcap, deterministic) -> (dq, dk, dv)
+                            softcap, deterministic, dropout_p=0.0, rng_state=None) -> (dq, dk, dv)
+    torch.ops.flash_ext.dropout_rng_state(q) -> rng_state   (int64 CPU [seed, offset]; draws
+                            from the CUDA generator of q's device)
+    torch.ops.flash_ext.dropout_mask(q, rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
+                            -> bool (batch, heads, seqlen_q, seqlen_k) keep mask (tests only)
     torch.ops.flash_ext.build_info() -> str
+
+Dropout (dropout_p > 0): the mask is a function of rng_state and (batch, head, row, col) only
+(csrc/common/dropout.h), so fwd and bwd given the same rng_state agree; rng_state is an input of
+the attention ops, drawn beforehand by dropout_rng_state (tagged nondeterministic_seeded, so that
+compilers neither merge nor drop it; the attention ops themselves stay pure functions).
 
 This module adds, in Python:
 
 - fake kernels for fwd, fwd_out and bwd (what torch.compile needs: shapes, dtypes and strides of
   the outputs, without running anything);
-- ``flash_ext::attn``, a Python custom op with the schema of ``fwd`` plus ``bool deterministic``.
+- ``flash_ext::attn``, a Python custom op with the schema of ``fwd`` plus ``bool deterministic``
+  (before ``dropout_p`` and ``rng_state``).
   It runs ``fwd`` (or, for calls with no query row or no key, makes the trivial result without a
   launch) and exists so that the backward's ``deterministic`` flag, which the forward kernel
   does not need, is an argument of the op the autograd graph records. flash_ext.attn_fwd calls
   it whenever a gradient may be needed, and ``fwd`` itself otherwise (one dispatch less);
 - the autograd formula of ``flash_ext::attn`` and of ``flash_ext::fwd`` (which then uses
-  deterministic=False): save q, k, v, out, lse; the backward calls ``flash_ext::bwd``.
+  deterministic=False): save q, k, v, out, lse (and rng_state); the backward calls
+  ``flash_ext::bwd`` with the same dropout_p and rng_state.
   ``lse`` is marked non-differentiable (like FlashAttention, no gradient flows through it);
   gradients with respect to softmax_scale and softcap are not computed (they are plain floats).
   ``fwd_out`` is not differentiable (flash_ext.attn_fwd rejects out= with inputs that require
@@ -48,7 +60,8 @@ except ImportError as _err:  # pragma: no cover - depends on the build
         "built in place) is not shadowing it, e.g. when running from the repository root. "
         f"Original error: {_err}") from _err
 
-__all__ = ["_fwd", "_fwd_out", "_attn", "_bwd", "build_info"]
+__all__ = ["_fwd", "_fwd_out", "_attn", "_bwd", "_dropout_rng_state", "_dropout_mask",
+           "build_info"]
 
 # The ops need 16-byte aligned rows: every stride but the last, and the storage offset, a
 # multiple of 8 elements (fp16/bf16); and the head dim a multiple of 8.
@@ -96,7 +109,7 @@ def _nothing_to_do(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q:
 
 @torch.library.register_fake("flash_ext::fwd")
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-              causal, window_left, window_right, softcap):
+              causal, window_left, window_right, softcap, dropout_p=0.0, rng_state=None):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -104,14 +117,26 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 
 @torch.library.register_fake("flash_ext::fwd_out")
 def _fwd_out_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  softmax_scale, causal, window_left, window_right, softcap):
+                  softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
+                  rng_state=None):
     return q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
 @torch.library.register_fake("flash_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, deterministic):
+              softmax_scale, causal, window_left, window_right, softcap, deterministic,
+              dropout_p=0.0, rng_state=None):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+
+
+@torch.library.register_fake("flash_ext::dropout_rng_state")
+def _dropout_rng_state_fake(q):
+    return torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+@torch.library.register_fake("flash_ext::dropout_mask")
+def _dropout_mask_fake(q, rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
+    return q.new_empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,7 +149,8 @@ def _attn_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
           window_left: int, window_right: int, softcap: float,
-          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+          deterministic: bool, dropout_p: float = 0.0,
+          rng_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of the differentiable path: (out, lse) exactly as fwd returns them."""
     if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -133,12 +159,13 @@ def _attn_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out, lse
     return torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                                   softcap)
+                                   softcap, dropout_p, rng_state)
 
 
 @_attn_def.register_fake
 def _attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-               causal, window_left, window_right, softcap, deterministic):
+               causal, window_left, window_right, softcap, deterministic, dropout_p=0.0,
+               rng_state=None):
     return _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_left, window_right, softcap)
 
@@ -148,44 +175,49 @@ def _attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 # ----------------------------------------------------------------------------------------------
 
 
-def _setup_context(ctx, inputs, output, deterministic: bool):
+def _setup_context(ctx, inputs, output, deterministic: bool, dropout_p: float, rng_state):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
      window_left, window_right, softcap) = inputs[:12]
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state)
     ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                softcap, deterministic)
+                softcap, deterministic, float(dropout_p))
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    _setup_context(ctx, inputs, output, deterministic=False)
+    # fwd(..., softcap, dropout_p, rng_state): 14 inputs (defaults filled in)
+    _setup_context(ctx, inputs, output, deterministic=False, dropout_p=inputs[12],
+                   rng_state=inputs[13])
 
 
 def _attn_setup_context(ctx, inputs, output):
-    _setup_context(ctx, inputs, output, deterministic=bool(inputs[12]))
+    # attn(..., softcap, deterministic, dropout_p, rng_state): 15 inputs
+    _setup_context(ctx, inputs, output, deterministic=bool(inputs[12]), dropout_p=inputs[13],
+                   rng_state=inputs[14])
 
 
 def _grads(ctx, grad_out):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
     (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-     deterministic) = ctx.args
+     deterministic, dropout_p) = ctx.args
     if grad_out is None:  # out does not reach the loss
         grad_out = torch.zeros_like(out)
     if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _bwd(_aligned(grad_out), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                deterministic)
+                deterministic, dropout_p, rng_state)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
-    # One gradient slot per op argument (12); the non-tensor ones and cu_seqlens get None.
-    return tuple(_grads(ctx, grad_out)) + (None,) * 9
+    # One gradient slot per op argument (14); the non-tensor ones, cu_seqlens and rng_state
+    # get None.
+    return tuple(_grads(ctx, grad_out)) + (None,) * 11
 
 
 def _attn_backward(ctx, grad_out, grad_lse):
-    return tuple(_grads(ctx, grad_out)) + (None,) * 10  # 13 arguments
+    return tuple(_grads(ctx, grad_out)) + (None,) * 12  # 15 arguments
 
 
 torch.library.register_autograd("flash_ext::fwd", _fwd_backward, setup_context=_fwd_setup_context)
@@ -199,37 +231,52 @@ _attn_def.register_autograd(_attn_backward, setup_context=_attn_setup_context)
 
 def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
          softmax_scale: float, causal: bool, window_left: int, window_right: int,
-         softcap: float):
+         softcap: float, dropout_p: float = 0.0, rng_state=None):
     """torch.ops.flash_ext.fwd: returns (out, lse)."""
     return torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   softmax_scale, causal, window_left, window_right, softcap)
+                                   softmax_scale, causal, window_left, window_right, softcap,
+                                   dropout_p, rng_state)
 
 
 def _fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
              softmax_scale: float, causal: bool, window_left: int, window_right: int,
-             softcap: float):
+             softcap: float, dropout_p: float = 0.0, rng_state=None):
     """torch.ops.flash_ext.fwd_out: writes out, returns lse."""
     return torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, softmax_scale, causal, window_left,
-                                       window_right, softcap)
+                                       window_right, softcap, dropout_p, rng_state)
 
 
 def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
           softmax_scale: float, causal: bool, window_left: int, window_right: int,
-          softcap: float, deterministic: bool):
+          softcap: float, deterministic: bool, dropout_p: float = 0.0, rng_state=None):
     """torch.ops.flash_ext.attn (differentiable): returns (out, lse)."""
     return torch.ops.flash_ext.attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, causal, window_left,
-                                    window_right, softcap, deterministic)
+                                    window_right, softcap, deterministic, dropout_p, rng_state)
 
 
 def _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
          max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-         window_right: int, softcap: float, deterministic: bool):
+         window_right: int, softcap: float, deterministic: bool, dropout_p: float = 0.0,
+         rng_state=None):
     """torch.ops.flash_ext.bwd: returns (dq, dk, dv), new contiguous tensors."""
     return torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                                   window_right, softcap, deterministic)
+                                   window_right, softcap, deterministic, dropout_p, rng_state)
+
+
+def _dropout_rng_state(q) -> torch.Tensor:
+    """A fresh dropout rng state, int64 CPU [seed, offset], from the default CUDA generator of
+    q's device (advances it: each call gives a different mask; torch.manual_seed reproduces)."""
+    return torch.ops.flash_ext.dropout_rng_state(q)
+
+
+def _dropout_mask(q, rng_state, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                  dropout_p: float) -> torch.Tensor:
+    """The kernels' keep mask, bool (batch, heads, seqlen_q, seqlen_k) on q's device."""
+    return torch.ops.flash_ext.dropout_mask(q, rng_state, batch, heads, seqlen_q, seqlen_k,
+                                            dropout_p)
 
 
 def build_info() -> str:

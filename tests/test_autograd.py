@@ -285,10 +285,15 @@ def test_no_graph_without_grad(meta_ok):
     assert not out.requires_grad
 
 
-def test_dropout_still_not_implemented(meta_ok):
+def test_dropout_is_differentiable(meta_ok):
+    """Dropout is implemented (tests/test_dropout.py, test_dropout_gpu.py); out-of-range values
+    are still rejected."""
     q = meta(2, 64, 4, 64, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flash_ext.flash_attn_func(q, q, q, dropout_p=0.1)
+    out = flash_ext.flash_attn_func(q, q, q, dropout_p=0.1)
+    out.float().sum().backward()
+    assert q.grad.shape == q.shape
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_ext.flash_attn_func(q, q, q, dropout_p=1.5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -433,10 +433,13 @@ def test_out_good(seed):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_dropout_not_implemented(seed):
+def test_dropout_accepted_then_device_checked(seed):
+    """dropout_p in [0, 1] is supported now: these CPU tensors fail the device check instead."""
     q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match="dropout .* not supported yet"):
+    with pytest.raises(DeviceError):
         flash_ext.flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(DeviceError):
+        flash_ext.attn_fwd(q, k, v, dropout_p=0.1)
 
 
 def test_dropout_out_of_range(seed):

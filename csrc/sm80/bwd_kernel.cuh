@@ -13,12 +13,21 @@
 //                                                                key block when deterministic)
 // P and dS are staged in shared memory in the input dtype: the dV / dK GEMMs read them back
 // transposed with ldmatrix.trans (P^T, dS^T as A operands), the dQ GEMM reads dS as is.
+//
+// kDropout (dropout_p > 0): the forward computed O = (P o Z) V with Z = keep / (1 - p)
+// elementwise (common/dropout.h regenerates keep from the rng state). Then
+//     dV += (P o Z)^T dO                        (sP holds P o Z)
+//     dS  = P o (Z o (dO V^T) - D),  D = rowsum(dO o O)
+// since dL/dP = Z o (dO V^T) and sum_k P_ik (dL/dP)_ik = dO_i . sum_k (P o Z)_ik V_k = dO_i . O_i.
+// The keep decision is kept in the sign of P in registers (dropped: -P; P >= 0), so the mask is
+// generated once per block.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cmath>
 
 #include "common/bwd_params.h"
 #include "common/copy.h"
+#include "common/dropout.h"
 #include "common/fragment.h"
 #include "common/mask.h"
 #include "common/seqlen.h"
@@ -76,6 +85,19 @@ __device__ __forceinline__ void query_block_range(const BlockMask<kBlockM, kBloc
   }
 }
 
+// Dropout: P (fp32, dropped entries negated) -> P o Z in the input dtype: kept entries times
+// 1 / (1 - p), dropped ones 0.
+template <typename TensorDst, typename TensorSrc>
+__device__ __forceinline__ void convert_dropout_into(TensorDst& dst, const TensorSrc& src, float scale) {
+  static_assert(decltype(size(dst))::value == decltype(size(src))::value);
+  using To = typename TensorDst::value_type;
+  CUTE_UNROLL
+  for (int i = 0; i < size(src); i += 2) {  // pairs: one cvt.rn.{bf16x2,f16x2}.f32 each
+    dst(i) = To(fmaxf(src(i), 0.f) * scale);
+    dst(i + 1) = To(fmaxf(src(i + 1), 0.f) * scale);
+  }
+}
+
 // D = rowsum(dO * O) over the real head dim, fp32. A warp per row, a lane per 8 columns.
 template <int kNWarps, typename Element>
 __global__ void __launch_bounds__(kNWarps * 32) bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
@@ -113,7 +135,7 @@ __global__ void __launch_bounds__(kNWarps * 32) bwd_preprocess_kernel(const __gr
   }
 }
 
-template <typename Traits, bool kHasWindow>
+template <typename Traits, bool kHasWindow, bool kDropout>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -249,6 +271,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   // Softcap: S' = cap * tanh(S * scale / cap) and dS_raw = dS' * (1 - (S'/cap)^2) * scale. S' is
   // recovered from P = exp(S' - lse) as ln(P) + lse = (log2(P) + lse * log2(e)) * ln(2).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
+  const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
+                        p.dropout_threshold);  // used only when kDropout
+  const float dropout_scale = p.dropout_scale;
 
   if (m_min < m_max) {
     load_tile_async(gmem_thr.partition_S(gK), tKsK, tKVc, rows_k, p.head_dim);
@@ -294,9 +319,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
           scores(r, c) = exp2f(scores(r, c) * scale_log2 - lse_log2[r]);
         }
       }
+      if constexpr (kDropout) {
+        // Dropped: -P (the sign carries the decision to dS below).
+        dropout.apply(acc_s, cS, m_block * kBlockM, n_block * kBlockN, [](float x) { return -x; });
+      }
       {
         Tensor rP = make_tensor_like<Element>(acc_s);
-        convert_into(rP, acc_s);
+        if constexpr (kDropout) {
+          convert_dropout_into(rP, acc_s, dropout_scale);  // P o Z for dV
+        } else {
+          convert_into(rP, acc_s);
+        }
         copy(r2s_p, r2s_p_thr.retile_S(rP), tPsP);  // nobody reads sP until the barrier below
       }
 
@@ -313,8 +346,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL
         for (int c = 0; c < size<1>(dp); ++c) {
-          const float pr = scores(r, c);
-          float ds = pr * (dp(r, c) - dsum[r]);
+          float pr = scores(r, c);
+          float dpr = dp(r, c);
+          if constexpr (kDropout) {
+            dpr = pr >= 0.f ? dpr * dropout_scale : 0.f;  // dL/dP = Z o dP'
+            pr = fabsf(pr);
+          }
+          float ds = pr * (dpr - dsum[r]);
           if (use_softcap) {
             const float t = (__log2f(pr) + lse_log2[r]) * softcap_t_factor;  // S'/cap = tanh(.)
             ds = pr > 0.f ? ds * (1.f - t * t) : 0.f;
@@ -417,7 +455,7 @@ __device__ __forceinline__ auto shifted(const T& t, int offset) {
   return make_tensor(t.data() + offset, t.layout());
 }
 
-template <typename Traits, bool kHasWindow>
+template <typename Traits, bool kHasWindow, bool kDropout>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __grid_constant__ BwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -560,6 +598,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __gr
   const float scale_log2 = p.softmax_scale_log2;  // log2(e) with softcap (scores already scaled)
   const float softmax_scale = p.softmax_scale;
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
+  const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
+                        p.dropout_threshold);  // used only when kDropout
+  const float dropout_scale = p.dropout_scale;
   const bool deterministic = p.deterministic;
 
   // All loads of query block m_block into buffer `buf` (no commit): Q, dO, and lse, D of its
@@ -626,9 +667,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __gr
           scores(r, c) = exp2f(scores(r, c) * scale_log2 - lse_log2[r]);
         }
       }
+      if constexpr (kDropout) {
+        // Dropped: -P (the sign carries the decision to dS below).
+        dropout.apply(acc_s, cS, m_block * kBlockM, n_block * kBlockN, [](float x) { return -x; });
+      }
       {
         Tensor rP = make_tensor_like<Element>(acc_s);
-        convert_into(rP, acc_s);
+        if constexpr (kDropout) {
+          convert_dropout_into(rP, acc_s, dropout_scale);  // P o Z for dV
+        } else {
+          convert_into(rP, acc_s);
+        }
         copy(r2s_p, r2s_p_thr.retile_S(rP), tPsP);  // nobody reads sP until the barrier below
       }
 
@@ -645,8 +694,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __gr
         const float dsum = dsum_s[get<0>(cS_rows(r, 0))];
         CUTE_UNROLL
         for (int c = 0; c < size<1>(dp); ++c) {
-          const float pr = scores(r, c);
-          float ds = pr * (dp(r, c) - dsum);
+          float pr = scores(r, c);
+          float dpr = dp(r, c);
+          if constexpr (kDropout) {
+            dpr = pr >= 0.f ? dpr * dropout_scale : 0.f;  // dL/dP = Z o dP'
+            pr = fabsf(pr);
+          }
+          float ds = pr * (dpr - dsum);
           if (use_softcap) {
             const float t = (__log2f(pr) + lse_log2[r]) * softcap_t_factor;  // S'/cap = tanh(.)
             ds = pr > 0.f ? ds * (1.f - t * t) : 0.f;

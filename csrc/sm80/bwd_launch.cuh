@@ -12,9 +12,9 @@ namespace flash_ext {
 
 namespace sm80 {
 
-template <typename Traits, bool kHasWindow>
+template <typename Traits, bool kHasWindow, bool kDropout>
 void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
-  auto kernel = &bwd_kernel<Traits, kHasWindow>;
+  auto kernel = &bwd_kernel<Traits, kHasWindow, kDropout>;
   constexpr int smem = Traits::kSmemBytes;
   if constexpr (smem > 48 * 1024) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -23,18 +23,26 @@ void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
 }
 
+// Masked / unmasked, and dropout / no dropout (separate kernels: the ones without dropout are
+// unchanged).
 template <typename Traits>
 void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
-  if (p.has_window) {
-    launch_bwd_main<Traits, true>(p, stream);
+  if (p.dropout_p > 0.f) {
+    if (p.has_window) {
+      launch_bwd_main<Traits, true, true>(p, stream);
+    } else {
+      launch_bwd_main<Traits, false, true>(p, stream);
+    }
+  } else if (p.has_window) {
+    launch_bwd_main<Traits, true, false>(p, stream);
   } else {
-    launch_bwd_main<Traits, false>(p, stream);
+    launch_bwd_main<Traits, false, false>(p, stream);
   }
 }
 
-template <typename Traits, bool kHasWindow>
+template <typename Traits, bool kHasWindow, bool kDropout>
 void launch_bwd_main_v2(BwdParams& p, cudaStream_t stream) {
-  auto kernel = &bwd_kernel_v2<Traits, kHasWindow>;
+  auto kernel = &bwd_kernel_v2<Traits, kHasWindow, kDropout>;
   constexpr int smem = Traits::kSmemBytesV2;
   if constexpr (smem > 48 * 1024) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -53,10 +61,16 @@ void launch_bwd_main_v2_or_v1(BwdParams& p, cudaStream_t stream) {
   cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (Traits::kSmemBytesV2 > optin) {
     launch_bwd_main<Traits>(p, stream);
+  } else if (p.dropout_p > 0.f) {
+    if (p.has_window) {
+      launch_bwd_main_v2<Traits, true, true>(p, stream);
+    } else {
+      launch_bwd_main_v2<Traits, false, true>(p, stream);
+    }
   } else if (p.has_window) {
-    launch_bwd_main_v2<Traits, true>(p, stream);
+    launch_bwd_main_v2<Traits, true, false>(p, stream);
   } else {
-    launch_bwd_main_v2<Traits, false>(p, stream);
+    launch_bwd_main_v2<Traits, false, false>(p, stream);
   }
 }
 

@@ -4,10 +4,15 @@
 // tile once and walks the visible key blocks from the last to the first (the blocks that need
 // an elementwise mask come first). K of the next block streams in (cp.async) while this block's
 // softmax and P V run; V of this block streams in while Q K^T runs.
+//
+// kDropout (dropout_p > 0, common/dropout.h): after the online softmax of a block (whose row
+// sums use the un-dropped P, so l and lse are those of the plain softmax), dropped entries of P
+// are zeroed before P V; the 1 / (1 - p) of the kept ones is folded into the final 1 / l.
 #pragma once
 #include <cute/tensor.hpp>
 
 #include "common/copy.h"
+#include "common/dropout.h"
 #include "common/fragment.h"
 #include "common/mask.h"
 #include "common/seqlen.h"
@@ -20,7 +25,7 @@ namespace flash_ext::sm80 {
 
 using namespace cute;
 
-template <typename Traits, bool kHasWindow>
+template <typename Traits, bool kHasWindow, bool kDropout>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -111,6 +116,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   const bool use_softcap = p.softcap > 0.f;
   const float scale_log2 = p.softmax_scale_log2;
+  const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
+                        p.dropout_threshold);  // used only when kDropout
 
   // One key block: S = Q K^T, mask, online softmax, O += P V.
   auto step = [&](int n_block, auto is_first) {
@@ -137,6 +144,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     }
 
     softmax.template update<kFirst>(scores, o_rows, scale_log2);
+    if constexpr (kDropout) {
+      dropout.apply(acc_s, cS, m_block * kBlockM, n_block * kBlockN, [](float) { return 0.f; });
+    }
 
     Tensor rP = make_tensor_like<Element>(acc_s);
     convert_into(rP, acc_s);
@@ -157,6 +167,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   // Epilogue: normalize once, O through shared memory for 16-byte coalesced stores, lse in fp32.
   float lse[kRows];
   softmax.finalize(o_rows, scale_log2, lse);
+  if constexpr (kDropout) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= p.dropout_scale;  // kept P: x 1 / (1 - p)
+  }
 
   Tensor rO = make_tensor_like<Element>(acc_o);
   convert_into(rO, acc_o);

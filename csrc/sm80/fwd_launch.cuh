@@ -1,5 +1,5 @@
 // Launch of the sm80 forward: tile configuration per head dim (see docs/kernels-sm80.md) and
-// the masked / unmasked kernel variants.
+// the masked / unmasked and dropout / no-dropout kernel variants.
 #pragma once
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
@@ -11,9 +11,9 @@ namespace flash_ext {
 
 namespace sm80 {
 
-template <typename Traits, bool kHasWindow>
+template <typename Traits, bool kHasWindow, bool kDropout>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
-  auto kernel = &fwd_kernel<Traits, kHasWindow>;
+  auto kernel = &fwd_kernel<Traits, kHasWindow, kDropout>;
   constexpr int smem = Traits::kSmemBytes;
   if constexpr (smem > 48 * 1024) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -24,10 +24,17 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
 
 template <typename Traits>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
-  if (p.has_window) {
-    launch_fwd<Traits, true>(p, stream);
+  // Dropout: separate kernels, so that the ones without it are unchanged (registers, speed).
+  if (p.dropout_p > 0.f) {
+    if (p.has_window) {
+      launch_fwd<Traits, true, true>(p, stream);
+    } else {
+      launch_fwd<Traits, false, true>(p, stream);
+    }
+  } else if (p.has_window) {
+    launch_fwd<Traits, true, false>(p, stream);
   } else {
-    launch_fwd<Traits, false>(p, stream);
+    launch_fwd<Traits, false, false>(p, stream);
   }
 }
 
