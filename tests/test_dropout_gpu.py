@@ -171,8 +171,8 @@ def test_forward_matches_reference(case, dtype):
     check_out(out, ref, pt, label)
     check_lse(lse, ref_lse, label)
     # lse is that of the un-dropped softmax: equal to the no-dropout call's
-    _, lse0 = flash_ext.attn_fwd(q, k, v, causal=causal)
-    torch.testing.assert_close(lse, lse0, atol=1e-5, rtol=1e-5)
+    _, lse0 = flash_ext.attn_fwd(q, k, v, causal=causal)  # (Hopper: the sm90 kernel)
+    torch.testing.assert_close(lse, lse0, atol=1e-4, rtol=1e-4)
 
 
 def test_forward_varlen_window_softcap():
