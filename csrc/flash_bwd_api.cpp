@@ -59,6 +59,9 @@ int sm90_bwd_kernel_head_dim(int d) {
 #ifdef FLASH_EXT_HDIM_128
   if (d <= 128) return 128;
 #endif
+#ifdef FLASH_EXT_HDIM_256
+  if (d > 192 && d <= 256) return 256;  // 136..192 keep the sm80 kernel (its 192 tile)
+#endif
   return 0;
 }
 
@@ -71,6 +74,9 @@ void run_bwd_sm90_hdim(BwdParams& p, int kd, cudaStream_t stream) {
 #ifdef FLASH_EXT_HDIM_128
     case 128: return run_bwd_sm90<128, kIsBf16>(p, stream);
 #endif
+#ifdef FLASH_EXT_HDIM_256
+    case 256: return run_bwd_sm90<256, kIsBf16>(p, stream);
+#endif
     default: TORCH_CHECK(false, "flash_ext: no sm90 backward kernel for head dim ", kd);
   }
 }
@@ -78,7 +84,8 @@ void run_bwd_sm90_hdim(BwdParams& p, int kd, cudaStream_t stream) {
 
 // Which backward runs: FLASH_EXT_BWD_PATH=sm80 or sm90 forces one (tests and benchmarks compare
 // the two on one GPU); the default picks the Hopper kernel on sm90 devices where it applies
-// (head dim <= 128, fixed-length batches, deterministic=False; docs/kernels-sm90-bwd.md), else
+// (head dims <= 128 and 193-256, fixed-length batches, deterministic=False, no dropout;
+// docs/kernels-sm90-bwd.md), else
 // the sm80 kernel.
 enum class BwdPath { kSm80, kSm90 };
 
@@ -106,12 +113,12 @@ BwdPath choose_bwd_path(const BwdParams& p, int device) {
   const bool dout_strides = p.do_row_stride > 0 && (p.heads_q == 1 || p.do_head_stride > 0) &&
                             (p.batch == 1 || p.do_batch_stride > 0);
   sm90_ok = major == 9 && sm90_bwd_kernel_head_dim(p.head_dim) != 0 && (p.is_bf16 ? bf16_ok : fp16_ok) &&
-            p.cu_seqlens_q == nullptr && !p.deterministic && tma_compatible(p) && dout_strides;
+            p.cu_seqlens_q == nullptr && !p.deterministic && !(p.dropout_p > 0.f) && tma_compatible(p) && dout_strides;
 #endif
   if (forced == "sm90") {
     TORCH_CHECK(sm90_ok, "flash_ext: FLASH_EXT_BWD_PATH=sm90 needs an sm90 GPU, a build with 90a in ",
-                "FLASH_EXT_ARCHS covering head dim ", p.head_dim, " (the Hopper backward has head dims <= 128), ",
-                "no cu_seqlens and deterministic=False (", FLASH_EXT_BUILD_INFO, ")");
+                "FLASH_EXT_ARCHS covering head dim ", p.head_dim, " (the Hopper backward has head dims <= 128 and 193-256), ",
+                "no cu_seqlens, deterministic=False and dropout_p = 0 (", FLASH_EXT_BUILD_INFO, ")");
     return BwdPath::kSm90;
   }
   if (forced == "sm80") return BwdPath::kSm80;

@@ -42,6 +42,7 @@ callable per backend (make_backend_fn).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -64,8 +65,8 @@ QUICK_SEQLENS = (1024, 4096, 16384)
 # FLOPs of one call relative to the forward pass (the papers' convention: backward = 2.5 x fwd).
 DIRECTIONS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
-# flash_ext_sm80: flash_ext with FLASH_EXT_FWD_PATH=sm80 (the FlashAttention-2 kernel), to compare
-# the two forward paths on Hopper. Same numbers as flash_ext elsewhere.
+# flash_ext_sm80: flash_ext with FLASH_EXT_FWD_PATH=sm80 and FLASH_EXT_BWD_PATH=sm80 (the
+# FlashAttention-2 kernels), to compare the two paths on Hopper. Same numbers as flash_ext elsewhere.
 BACKEND_NAMES = ("flash_ext", "flash_ext_sm80", "sdpa_flash", "sdpa_cudnn")
 
 
@@ -290,15 +291,8 @@ def _forward_fn(name: str, q, k, v, causal: bool) -> Callable[[], object]:
         import flash_ext
 
         def run_sm80():
-            prev = os.environ.get("FLASH_EXT_FWD_PATH")
-            os.environ["FLASH_EXT_FWD_PATH"] = "sm80"  # read by the C++ dispatch at each call
-            try:
+            with _env(FLASH_EXT_FWD_PATH="sm80"):  # read by the C++ dispatch at each call
                 return flash_ext.attn_fwd(q, k, v, causal=causal)
-            finally:
-                if prev is None:
-                    del os.environ["FLASH_EXT_FWD_PATH"]
-                else:
-                    os.environ["FLASH_EXT_FWD_PATH"] = prev
         return run_sm80
     from torch.nn.attention import SDPBackend
     if name == "sdpa_flash":
@@ -325,9 +319,32 @@ def make_backend_fn(name: str, direction: str, q, k, v, causal: bool) -> Callabl
     if direction == "bwd":
         out = forward()
         dout = torch.randn_like(out)
-        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    dout = torch.randn_like(forward())
-    return lambda: torch.autograd.grad(forward(), leaves, dout)
+        run = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)  # noqa: E731
+    else:
+        dout = torch.randn_like(forward())
+        run = lambda: torch.autograd.grad(forward(), leaves, dout)  # noqa: E731
+    if name != "flash_ext_sm80":
+        return run
+
+    def run_sm80():
+        with _env(FLASH_EXT_BWD_PATH="sm80"):  # the backward's dispatch reads it at each call
+            return run()
+    return run_sm80
+
+
+@contextlib.contextmanager
+def _env(**values):
+    """Sets environment variables for the duration of a block, then restores them."""
+    prev = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in prev.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def time_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
@@ -375,8 +392,6 @@ def run_config(cfg: Config, reps: int, warmup: int, device="cuda") -> Row:
     row = Row(cfg.name, cfg.dtype, cfg.headdim, cfg.seqlen, cfg.batch, cfg.heads, cfg.causal,
               cfg.direction)
     for name in BACKEND_NAMES:
-        if name == "flash_ext_sm80" and cfg.direction == "bwd":
-            continue  # the backward is the same kernel on both forward paths
         try:
             fn = make_backend_fn(name, cfg.direction, q, k, v, cfg.causal)
             ms = time_ms(fn, reps, warmup)

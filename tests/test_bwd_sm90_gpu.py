@@ -26,7 +26,7 @@ def _force_sm90(monkeypatch):
 
 @requires_sm90
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
-@pytest.mark.parametrize("d", [32, 64, 80, 128])
+@pytest.mark.parametrize("d", [32, 64, 80, 128, 200, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(1, 1), (97, 97), (113, 203), (203, 113), (1025, 1025), (700, 2100)])
 def test_sm90_core(dtype, d, causal, sq, sk):
@@ -36,7 +36,7 @@ def test_sm90_core(dtype, d, causal, sq, sk):
 
 @requires_sm90
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kw", [dict(window=(0, 0)), dict(window=(16, 0)), dict(window=(-1, 8)),
                                 dict(window=(100, 30)), dict(softcap=30.0), dict(softcap=5.0, causal=True),
                                 dict(softmax_scale=0.3, causal=True)], ids=str)
@@ -48,7 +48,7 @@ def test_sm90_features(dtype, d, kw, sq, sk):
 @requires_sm90
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("hkv", [4, 1])
-@pytest.mark.parametrize("d,causal", [(64, True), (128, False)])
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (256, True)])
 def test_sm90_gqa(dtype, hkv, d, causal):
     run_case(2, 333, 333, 8, hkv, d, dtype, f"sm90 gqa hkv={hkv} d={d}", causal=causal)
 
@@ -75,7 +75,8 @@ def test_sm90_strided_inputs():
 
 @requires_sm90
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
-@pytest.mark.parametrize("d,kw", [(64, dict()), (128, dict(causal=True)), (128, dict(window=(300, 50)))], ids=str)
+@pytest.mark.parametrize("d,kw", [(64, dict()), (128, dict(causal=True)), (128, dict(window=(300, 50))),
+                                  (256, dict(causal=True))], ids=str)
 def test_sm90_agrees_with_sm80(dtype, d, kw, monkeypatch):
     q = torch.randn(2, 1500, 4, d, device="cuda", dtype=dtype)
     k = torch.randn(2, 1400, 2, d, device="cuda", dtype=dtype)
@@ -90,12 +91,18 @@ def test_sm90_agrees_with_sm80(dtype, d, kw, monkeypatch):
 
 
 @requires_sm90
-@pytest.mark.parametrize("case", ["d=256", "deterministic", "varlen"])
+@pytest.mark.parametrize("case", ["d=192", "deterministic", "varlen", "dropout"])
 def test_sm90_refuses_unsupported(case):
     """Forcing the Hopper backward where it does not apply is a clear error, not a crash."""
-    d = 256 if case == "d=256" else 64
+    d = 192 if case == "d=192" else 64
     q = torch.randn(1, 64, 2, d, device="cuda", dtype=torch.float16)
     kw = dict(deterministic=True) if case == "deterministic" else {}
+    if case == "dropout":
+        import flash_ext
+        out, lse, rng = flash_ext.attn_fwd(q, q, q, dropout_p=0.1)
+        with pytest.raises(RuntimeError, match="FLASH_EXT_BWD_PATH=sm90"):
+            flash_ext.attn_bwd(torch.randn_like(q), q, q, q, out, lse, dropout_p=0.1, rng_state=rng)
+        return
     if case == "varlen":
         cu = torch.tensor([0, 30, 64], device="cuda", dtype=torch.int32)
         q = q[0]

@@ -111,7 +111,7 @@ FAMILIES: tuple[Family, ...] = (
         name="bwd_sm90",
         header="sm90/bwd_launch.cuh",
         function="flash_ext::run_bwd_sm90<{hdim}, {is_bf16}>(flash_ext::BwdParams&, cudaStream_t)",
-        hdims=(64, 128),
+        hdims=(64, 128, 256),
         needs_arch="90a",
     ),
 )

@@ -24,6 +24,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/pipeline.hpp>
+#include <climits>
 #include <cmath>
 
 #include "common/bwd_params.h"
@@ -99,8 +100,9 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_consta
   }
 }
 
-// Sets masked entries of a transposed score tile (rows = keys, cols = queries) to -inf:
-// the seqlen_k edge and the causal / local window (see common/mask.h for the rule).
+// Sets masked entries of a transposed score tile (rows = keys, cols = queries) to -inf: the
+// seqlen_k edge and the causal / local window (common/mask.h has the rule; transposed, key j is
+// visible from queries [j - shift - window_right, j - shift + window_left]).
 template <bool kHasWindow, typename TensorS, typename TensorC>
 __device__ __forceinline__ void mask_transposed(TensorS& st, const TensorC& coords, int key0, int query0,
                                                 int seqlen_q, int seqlen_k, int window_left, int window_right) {
@@ -108,15 +110,16 @@ __device__ __forceinline__ void mask_transposed(TensorS& st, const TensorC& coor
   CUTE_UNROLL
   for (int r = 0; r < size<0>(st); ++r) {
     const int key = key0 + get<0>(coords(r, 0));
+    // Visible tile columns [col_begin, col_end); none past the seqlen_k edge.
+    int col_begin = 0, col_end = key < seqlen_k ? INT_MAX : INT_MIN;
+    if constexpr (kHasWindow) {
+      if (window_right >= 0) col_begin = key - shift - window_right - query0;
+      if (window_left >= 0) col_end = min(col_end, key - shift + window_left - query0 + 1);
+    }
     CUTE_UNROLL
     for (int c = 0; c < size<1>(st); ++c) {
-      bool visible = key < seqlen_k;
-      if constexpr (kHasWindow) {
-        const int diag = query0 + get<1>(coords(0, c)) + shift;  // the key on this query's diagonal
-        if (window_right >= 0) visible &= key <= diag + window_right;
-        if (window_left >= 0) visible &= key >= diag - window_left;
-      }
-      if (!visible) st(r, c) = -INFINITY;
+      const int col = get<1>(coords(0, c));
+      if (col < col_begin || col >= col_end) st(r, c) = -INFINITY;
     }
   }
 }
@@ -167,6 +170,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDS{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDSt{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.pt.data()), typename Traits::SmemLayoutPt{});  // kSplitD only
 
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
@@ -223,6 +227,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
   Tensor tdSsdS = thr_sdp.partition_C(sdSt);  // this thread's dS^T elements in shared memory
+  // Split by head dim: P^T and dS^T are read from shared memory as A operands of dV and dK.
+  auto tPsPt = [&] { if constexpr (Traits::kSplitD) return thr_sdp.partition_C(sPt); else return 0; }();
+  auto tdVrPt = [&] { if constexpr (Traits::kSplitD) return thr_dkv.partition_fragment_A(sPt); else return 0; }();
+  auto tdKrdSt = [&] { if constexpr (Traits::kSplitD) return thr_dkv.partition_fragment_A(sdSt); else return 0; }();
 
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -271,11 +279,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       Tensor rP = make_tensor<Element>(acc_s.layout());
       convert_into(rP, acc_s);
-      Tensor tdVrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
-      warpgroup_gemm_issue<false, true>(mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), acc_dv);
+      if constexpr (Traits::kSplitD) {
+        copy(rP, tPsPt(_, _, _, buf));  // dV reads all of P^T once both halves are there
+      } else {
+        Tensor tdVrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
+        warpgroup_gemm_issue<false, true>(mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), acc_dv);
+      }
 
       // dS^T = P^T * (dP^T - D[query]) * scale (times the softcap derivative).
-      warpgroup_wait<1>();
+      warpgroup_wait<Traits::kSplitD ? 0 : 1>();
       warpgroup_fence_operand(acc_dp);
       Tensor dpt = make_tensor(acc_dp.data(), gmma_acc_as_rows_cols(acc_dp.layout()));
       CUTE_UNROLL
@@ -296,15 +308,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
       convert_into(rdS, acc_dp);
-      Tensor tdKrdS = make_tensor(rdS.data(), gmma_acc_as_rs_a(rdS.layout()));
       copy(rdS, tdSsdS(_, _, _, buf));
-      warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
+      if constexpr (!Traits::kSplitD) {
+        Tensor tdKrdS = make_tensor(rdS.data(), gmma_acc_as_rs_a(rdS.layout()));
+        warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
+      }
 
-      // Both warpgroups' dS^T in shared memory (visible to the tensor cores), then dQ = dS K.
-      // Double-buffered dS: buffer buf was last read by the dQ GEMM two steps ago, which both
-      // warpgroups finished before the previous step's barrier.
+      // Both warpgroups' dS^T (and P^T) in shared memory, visible to the tensor cores; then
+      // dQ = dS K (and dV, dK from shared memory when split by head dim). Double-buffered:
+      // buffer buf was last read by the GEMMs two steps ago, which both warpgroups finished
+      // before the previous step's barrier.
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(1, Traits::kMmaThreads);
+      if constexpr (Traits::kSplitD) {
+        Tensor tdVrPt_buf = tdVrPt(_, _, _, buf);
+        Tensor tdKrdSt_buf = tdKrdSt(_, _, _, buf);
+        warpgroup_gemm_issue<false, false>(mma_dkv, tdVrPt_buf, tdVrdOt(_, _, _, stage), acc_dv);
+        warpgroup_gemm_issue<false, false>(mma_dkv, tdKrdSt_buf, tdKrQt(_, _, _, stage), acc_dk);
+      }
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
       warpgroup_gemm_issue<true, false>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);

@@ -59,8 +59,10 @@ void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
   }
   if (p.seqlen_k == 0) return;
   // (head dim, kBlockM queries, kBlockN keys, stages): see docs/kernels-sm90-bwd.md.
-  using Traits = std::conditional_t<kHeadDim <= 64, sm90::BwdTraits<kHeadDim, 128, 128, 2, Element>,
-                                    sm90::BwdTraits<kHeadDim, 64, 128, 2, Element>>;
+  using Traits = std::conditional_t<
+      kHeadDim <= 64, sm90::BwdTraits<kHeadDim, 128, 128, 2, Element>,
+      std::conditional_t<kHeadDim <= 128, sm90::BwdTraits<kHeadDim, 64, 128, 2, Element>,
+                         sm90::BwdTraits<kHeadDim, 64, 64, 2, Element>>>;
   if (p.has_window) {
     sm90::launch_bwd<Traits, true>(p, stream);
   } else {
