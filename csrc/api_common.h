@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <optional>
 
 #include "params.h"
@@ -15,6 +17,41 @@
 #endif
 
 namespace flash_ext {
+
+// Error messages. FLASH_EXT_CHECK(cond, parts...) is TORCH_CHECK with the message concatenated
+// here (std::string, std::to_string) and handed over as one C string. On the GPU machine's
+// toolchain (g++ 13 extension, torch 2.11 wheel), TORCH_CHECK with several message arguments,
+// which c10::str formats with a std::ostringstream inside the extension, crashed the process
+// (SIGSEGV) instead of raising; a single C-string message raises normally.
+namespace detail {
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+inline void append(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
+inline void append(std::string& s, const c10::Device& v) { s += v.str(); }
+inline void append(std::string& s, at::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += ']';
+}
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char>, int> = 0>
+inline void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+}  // namespace detail
+
+template <typename... Args>
+std::string error_message(const Args&... args) {
+  std::string s;
+  (detail::append(s, args), ...);
+  return s;
+}
+
+#define FLASH_EXT_CHECK(cond, ...) TORCH_CHECK(cond, ::flash_ext::error_message(__VA_ARGS__).c_str())
 
 // Smallest sm80-family kernel head dim >= d in this build (FLASH_EXT_HEADDIMS); other sizes run
 // in the next larger kernel, whose loads zero-fill and whose stores skip the extra columns.
@@ -42,18 +79,18 @@ inline int sm80_kernel_head_dim(int d, const char* direction) {
   for (int kd : kDims) {
     if (kd >= d) return kd;
   }
-  TORCH_CHECK(false, "flash_ext: no ", direction, " kernel for head dim ", d, " in this build (",
+  FLASH_EXT_CHECK(false, "flash_ext: no ", direction, " kernel for head dim ", d, " in this build (",
               FLASH_EXT_BUILD_INFO, "); rebuild with FLASH_EXT_HEADDIMS covering it");
   return 0;
 }
 
 inline void check_rows_aligned(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.stride(-1) == 1, "flash_ext: ", name, " must have a contiguous last dimension");
+  FLASH_EXT_CHECK(t.stride(-1) == 1, "flash_ext: ", name, " must have a contiguous last dimension");
   for (int i = 0; i < t.dim() - 1; ++i) {
-    TORCH_CHECK(t.stride(i) % 8 == 0, "flash_ext: ", name,
+    FLASH_EXT_CHECK(t.stride(i) % 8 == 0, "flash_ext: ", name,
                 " strides must be multiples of 8 elements (16-byte aligned rows); got ", t.strides());
   }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_ext: ", name,
+  FLASH_EXT_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_ext: ", name,
               " must be 16-byte aligned");
 }
 
@@ -72,15 +109,15 @@ inline bool tma_compatible(const FwdParams& p) {
 // int64 CPU tensor [seed, offset] that flash_ext::dropout_rng_state returned (read on the host:
 // no device sync). dropout_p == 0 leaves dropout off (rng_state is then ignored).
 inline void set_dropout_params(FwdParams& p, double dropout_p, const std::optional<at::Tensor>& rng_state) {
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "flash_ext: dropout_p must be in [0, 1]; got ", dropout_p);
+  FLASH_EXT_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "flash_ext: dropout_p must be in [0, 1]; got ", dropout_p);
   p.dropout_p = 0.f;
   p.dropout_scale = 1.f;
   p.dropout_threshold = 0;
   p.dropout_seed = p.dropout_offset = 0;
   if (dropout_p == 0.0) return;
-  TORCH_CHECK(rng_state.has_value(), "flash_ext: dropout_p > 0 needs rng_state (from flash_ext::dropout_rng_state)");
+  FLASH_EXT_CHECK(rng_state.has_value(), "flash_ext: dropout_p > 0 needs rng_state (from flash_ext::dropout_rng_state)");
   const at::Tensor& rs = *rng_state;
-  TORCH_CHECK(rs.device().is_cpu() && rs.scalar_type() == at::kLong && rs.numel() == 2,
+  FLASH_EXT_CHECK(rs.device().is_cpu() && rs.scalar_type() == at::kLong && rs.numel() == 2,
               "flash_ext: rng_state must be an int64 CPU tensor of 2 elements [seed, offset]; got ",
               rs.scalar_type(), " ", rs.sizes(), " on ", rs.device());
   const at::Tensor c = rs.contiguous();

@@ -54,7 +54,7 @@ void run_fwd_sm80_hdim(FwdParams& p, int kd, cudaStream_t stream) {
 #ifdef FLASH_EXT_HDIM_256
     case 256: return run_fwd_sm80<256, kIsBf16>(p, stream);
 #endif
-    default: TORCH_CHECK(false, "flash_ext: no kernel for head dim ", kd);
+    default: FLASH_EXT_CHECK(false, "flash_ext: no kernel for head dim ", kd);
   }
 }
 
@@ -102,7 +102,7 @@ void run_fwd_sm90_hdim(FwdParams& p, int kd, cudaStream_t stream) {
 #ifdef FLASH_EXT_HDIM_256
     case 256: return run_fwd_sm90<256, kIsBf16>(p, stream);
 #endif
-    default: TORCH_CHECK(false, "flash_ext: no sm90 kernel for head dim ", kd);
+    default: FLASH_EXT_CHECK(false, "flash_ext: no sm90 kernel for head dim ", kd);
   }
 }
 #endif  // FLASH_EXT_SM90A
@@ -118,7 +118,7 @@ FwdPath choose_fwd_path(const FwdParams& p, int device) {
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   const char* env = std::getenv("FLASH_EXT_FWD_PATH");
   const std::string forced = env ? env : "";
-  TORCH_CHECK(forced.empty() || forced == "auto" || forced == "sm80" || forced == "sm90",
+  FLASH_EXT_CHECK(forced.empty() || forced == "auto" || forced == "sm80" || forced == "sm90",
               "flash_ext: FLASH_EXT_FWD_PATH must be auto, sm80 or sm90; got '", forced, "'");
   bool sm90_ok = false;
 #ifdef FLASH_EXT_SM90A
@@ -138,7 +138,7 @@ FwdPath choose_fwd_path(const FwdParams& p, int device) {
             tma_compatible(p) && !(p.dropout_p > 0.f);
 #endif
   if (forced == "sm90") {
-    TORCH_CHECK(sm90_ok, "flash_ext: FLASH_EXT_FWD_PATH=sm90 needs an sm90 GPU and a build with 90a in ",
+    FLASH_EXT_CHECK(sm90_ok, "flash_ext: FLASH_EXT_FWD_PATH=sm90 needs an sm90 GPU and a build with 90a in ",
                 "FLASH_EXT_ARCHS covering head dim ", p.head_dim, " and dropout_p = 0 (", FLASH_EXT_BUILD_INFO, ")");
     return FwdPath::kSm90;
   }
@@ -169,13 +169,13 @@ void run_fwd(FwdParams& p, int device, cudaStream_t stream) {
 #ifdef FLASH_EXT_BF16
     run_fwd_sm80_hdim<true>(p, kd, stream);
 #else
-    TORCH_CHECK(false, "flash_ext: this build has no bf16 kernels (", FLASH_EXT_BUILD_INFO, ")");
+    FLASH_EXT_CHECK(false, "flash_ext: this build has no bf16 kernels (", FLASH_EXT_BUILD_INFO, ")");
 #endif
   } else {
 #ifdef FLASH_EXT_FP16
     run_fwd_sm80_hdim<false>(p, kd, stream);
 #else
-    TORCH_CHECK(false, "flash_ext: this build has no fp16 kernels (", FLASH_EXT_BUILD_INFO, ")");
+    FLASH_EXT_CHECK(false, "flash_ext: this build has no fp16 kernels (", FLASH_EXT_BUILD_INFO, ")");
 #endif
   }
 }
@@ -189,28 +189,28 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
                        int64_t window_right, double softcap, double dropout_p,
                        const std::optional<at::Tensor>& rng_state) {
   const bool varlen = cu_seqlens_q.has_value();
-  TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+  FLASH_EXT_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
               "flash_ext: give both cu_seqlens_q and cu_seqlens_k, or neither");
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda(), "flash_ext: tensors must be on a CUDA device");
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device(),
+  FLASH_EXT_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda(), "flash_ext: tensors must be on a CUDA device");
+  FLASH_EXT_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device(),
               "flash_ext: q, k, v and out must be on the same device");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "flash_ext: only fp16 and bf16 are supported");
-  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
+  FLASH_EXT_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "flash_ext: only fp16 and bf16 are supported");
+  FLASH_EXT_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
               "flash_ext: q, k, v and out must have the same dtype");
   const int expect_dim = varlen ? 3 : 4;
-  TORCH_CHECK(q.dim() == expect_dim && k.dim() == expect_dim && v.dim() == expect_dim,
+  FLASH_EXT_CHECK(q.dim() == expect_dim && k.dim() == expect_dim && v.dim() == expect_dim,
               "flash_ext: q, k, v must be ", expect_dim, "-D");
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape");
-  TORCH_CHECK(out.sizes() == q.sizes(), "flash_ext: out must have q's shape");
+  FLASH_EXT_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape");
+  FLASH_EXT_CHECK(out.sizes() == q.sizes(), "flash_ext: out must have q's shape");
   const int d = q.size(-1);
-  TORCH_CHECK(k.size(-1) == d, "flash_ext: q, k, v must have the same head dim");
-  TORCH_CHECK(d % 8 == 0 && d > 0 && d <= 256, "flash_ext: head dim must be a multiple of 8 in [8, 256] at the op level; got ", d);
+  FLASH_EXT_CHECK(k.size(-1) == d, "flash_ext: q, k, v must have the same head dim");
+  FLASH_EXT_CHECK(d % 8 == 0 && d > 0 && d <= 256, "flash_ext: head dim must be a multiple of 8 in [8, 256] at the op level; got ", d);
   const int hq = q.size(-2), hkv = k.size(-2);
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "flash_ext: heads of q (", hq, ") must be a multiple of heads of k/v (", hkv, ")");
-  TORCH_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "flash_ext: softmax_scale must be positive and finite");
-  TORCH_CHECK(softcap >= 0, "flash_ext: softcap must be >= 0");
-  TORCH_CHECK(window_left >= -1 && window_right >= -1, "flash_ext: window sizes must be >= -1");
+  FLASH_EXT_CHECK(hkv > 0 && hq % hkv == 0, "flash_ext: heads of q (", hq, ") must be a multiple of heads of k/v (", hkv, ")");
+  FLASH_EXT_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "flash_ext: softmax_scale must be positive and finite");
+  FLASH_EXT_CHECK(softcap >= 0, "flash_ext: softcap must be >= 0");
+  FLASH_EXT_CHECK(window_left >= -1 && window_right >= -1, "flash_ext: window sizes must be >= -1");
   check_rows_aligned(q, "q");
   check_rows_aligned(k, "k");
   check_rows_aligned(v, "v");
@@ -251,12 +251,12 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   if (varlen) {
     const auto& cq = *cu_seqlens_q;
     const auto& ck = *cu_seqlens_k;
-    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt, "flash_ext: cu_seqlens must be int32");
-    TORCH_CHECK(cq.dim() == 1 && ck.dim() == 1 && cq.numel() == ck.numel() && cq.numel() >= 1,
+    FLASH_EXT_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt, "flash_ext: cu_seqlens must be int32");
+    FLASH_EXT_CHECK(cq.dim() == 1 && ck.dim() == 1 && cq.numel() == ck.numel() && cq.numel() >= 1,
                 "flash_ext: cu_seqlens_q and cu_seqlens_k must be 1-D of the same length batch + 1");
-    TORCH_CHECK(cq.device() == q.device() && ck.device() == q.device(), "flash_ext: cu_seqlens must be on q's device");
-    TORCH_CHECK(cq.is_contiguous() && ck.is_contiguous(), "flash_ext: cu_seqlens must be contiguous");
-    TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_ext: max_seqlen must be >= 0");
+    FLASH_EXT_CHECK(cq.device() == q.device() && ck.device() == q.device(), "flash_ext: cu_seqlens must be on q's device");
+    FLASH_EXT_CHECK(cq.is_contiguous() && ck.is_contiguous(), "flash_ext: cu_seqlens must be contiguous");
+    FLASH_EXT_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_ext: max_seqlen must be >= 0");
     p.batch = cq.numel() - 1;
     p.seqlen_q = int(max_seqlen_q);
     p.seqlen_k = int(max_seqlen_k);
@@ -269,7 +269,7 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
     p.lse_batch_stride = 0;
     p.lse_head_stride = total_q;
   } else {
-    TORCH_CHECK(k.size(0) == q.size(0), "flash_ext: q and k/v must have the same batch size");
+    FLASH_EXT_CHECK(k.size(0) == q.size(0), "flash_ext: q and k/v must have the same batch size");
     p.batch = q.size(0);
     p.seqlen_q = q.size(1);
     p.seqlen_k = k.size(1);
@@ -281,7 +281,7 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
     p.lse_batch_stride = int64_t(hq) * p.seqlen_q;
     p.lse_head_stride = p.seqlen_q;
   }
-  TORCH_CHECK(p.batch <= 65535 && hq <= 65535, "flash_ext: batch and heads must be <= 65535");
+  FLASH_EXT_CHECK(p.batch <= 65535 && hq <= 65535, "flash_ext: batch and heads must be <= 65535");
   p.lse = lse.data_ptr<float>();
   return lse;
 }
@@ -329,7 +329,7 @@ std::string build_info() { return FLASH_EXT_BUILD_INFO; }
 // torch.manual_seed makes runs reproducible). Read on the host: not usable while a CUDA graph
 // is being captured.
 at::Tensor dropout_rng_state(const at::Tensor& q) {
-  TORCH_CHECK(q.is_cuda(), "flash_ext: dropout_rng_state needs a CUDA tensor");
+  FLASH_EXT_CHECK(q.is_cuda(), "flash_ext: dropout_rng_state needs a CUDA tensor");
   auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
       std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(q.get_device()));
   at::PhiloxCudaState state;
@@ -337,7 +337,7 @@ at::Tensor dropout_rng_state(const at::Tensor& q) {
     std::lock_guard<std::mutex> lock(gen->mutex_);
     state = gen->philox_cuda_state(4);  // one counter word per call (common/dropout.h)
   }
-  TORCH_CHECK(!state.captured_, "flash_ext: attention dropout is not supported under CUDA graph capture");
+  FLASH_EXT_CHECK(!state.captured_, "flash_ext: attention dropout is not supported under CUDA graph capture");
   at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kLong));
   out.data_ptr<int64_t>()[0] = static_cast<int64_t>(state.seed_.val);
   out.data_ptr<int64_t>()[1] = static_cast<int64_t>(state.offset_.val);
@@ -349,9 +349,9 @@ at::Tensor dropout_rng_state(const at::Tensor& q) {
 // [b, :, :seqlen_q_b, :seqlen_k_b] corner (rows and columns count from each sequence's start).
 at::Tensor dropout_mask(const at::Tensor& q, const at::Tensor& rng_state, int64_t batch, int64_t heads,
                         int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
-  TORCH_CHECK(q.is_cuda(), "flash_ext: dropout_mask needs a CUDA tensor q (for the device)");
-  TORCH_CHECK(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "flash_ext: dropout_mask sizes must be >= 0");
-  TORCH_CHECK(batch * heads < (int64_t(1) << 32) && seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31),
+  FLASH_EXT_CHECK(q.is_cuda(), "flash_ext: dropout_mask needs a CUDA tensor q (for the device)");
+  FLASH_EXT_CHECK(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "flash_ext: dropout_mask sizes must be >= 0");
+  FLASH_EXT_CHECK(batch * heads < (int64_t(1) << 32) && seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31),
               "flash_ext: dropout_mask sizes too large");
   FwdParams p{};
   set_dropout_params(p, dropout_p, rng_state);

@@ -46,7 +46,7 @@ void run_bwd_sm80_hdim(BwdParams& p, int kd, cudaStream_t stream) {
 #ifdef FLASH_EXT_HDIM_256
     case 256: return run_bwd_sm80<256, kIsBf16>(p, stream);
 #endif
-    default: TORCH_CHECK(false, "flash_ext: no backward kernel for head dim ", kd);
+    default: FLASH_EXT_CHECK(false, "flash_ext: no backward kernel for head dim ", kd);
   }
 }
 
@@ -77,7 +77,7 @@ void run_bwd_sm90_hdim(BwdParams& p, int kd, cudaStream_t stream) {
 #ifdef FLASH_EXT_HDIM_256
     case 256: return run_bwd_sm90<256, kIsBf16>(p, stream);
 #endif
-    default: TORCH_CHECK(false, "flash_ext: no sm90 backward kernel for head dim ", kd);
+    default: FLASH_EXT_CHECK(false, "flash_ext: no sm90 backward kernel for head dim ", kd);
   }
 }
 #endif  // FLASH_EXT_SM90A
@@ -94,7 +94,7 @@ BwdPath choose_bwd_path(const BwdParams& p, int device) {
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   const char* env = std::getenv("FLASH_EXT_BWD_PATH");
   const std::string forced = env ? env : "";
-  TORCH_CHECK(forced.empty() || forced == "auto" || forced == "sm80" || forced == "sm90",
+  FLASH_EXT_CHECK(forced.empty() || forced == "auto" || forced == "sm80" || forced == "sm90",
               "flash_ext: FLASH_EXT_BWD_PATH must be auto, sm80 or sm90; got '", forced, "'");
   bool sm90_ok = false;
 #ifdef FLASH_EXT_SM90A
@@ -116,7 +116,7 @@ BwdPath choose_bwd_path(const BwdParams& p, int device) {
             p.cu_seqlens_q == nullptr && !p.deterministic && !(p.dropout_p > 0.f) && tma_compatible(p) && dout_strides;
 #endif
   if (forced == "sm90") {
-    TORCH_CHECK(sm90_ok, "flash_ext: FLASH_EXT_BWD_PATH=sm90 needs an sm90 GPU, a build with 90a in ",
+    FLASH_EXT_CHECK(sm90_ok, "flash_ext: FLASH_EXT_BWD_PATH=sm90 needs an sm90 GPU, a build with 90a in ",
                 "FLASH_EXT_ARCHS covering head dim ", p.head_dim, " (the Hopper backward has head dims <= 128 and 193-256), ",
                 "no cu_seqlens, deterministic=False and dropout_p = 0 (", FLASH_EXT_BUILD_INFO, ")");
     return BwdPath::kSm90;
@@ -138,7 +138,7 @@ void run_bwd_sm90_dtype(BwdParams& p, cudaStream_t stream) {
 #endif
   }
 #endif
-  TORCH_CHECK(false, "flash_ext: no sm90 backward kernel in this build (", FLASH_EXT_BUILD_INFO, ")");
+  FLASH_EXT_CHECK(false, "flash_ext: no sm90 backward kernel in this build (", FLASH_EXT_BUILD_INFO, ")");
 }
 
 void run_bwd(BwdParams& p, int kd, cudaStream_t stream) {
@@ -146,13 +146,13 @@ void run_bwd(BwdParams& p, int kd, cudaStream_t stream) {
 #ifdef FLASH_EXT_BF16
     run_bwd_sm80_hdim<true>(p, kd, stream);
 #else
-    TORCH_CHECK(false, "flash_ext: this build has no bf16 kernels (", FLASH_EXT_BUILD_INFO, ")");
+    FLASH_EXT_CHECK(false, "flash_ext: this build has no bf16 kernels (", FLASH_EXT_BUILD_INFO, ")");
 #endif
   } else {
 #ifdef FLASH_EXT_FP16
     run_bwd_sm80_hdim<false>(p, kd, stream);
 #else
-    TORCH_CHECK(false, "flash_ext: this build has no fp16 kernels (", FLASH_EXT_BUILD_INFO, ")");
+    FLASH_EXT_CHECK(false, "flash_ext: this build has no fp16 kernels (", FLASH_EXT_BUILD_INFO, ")");
 #endif
   }
 }
@@ -164,35 +164,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
     bool deterministic, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   const bool varlen = cu_seqlens_q.has_value();
-  TORCH_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+  FLASH_EXT_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
               "flash_ext: give both cu_seqlens_q and cu_seqlens_k, or neither");
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && dout.is_cuda() && lse_in.is_cuda(),
+  FLASH_EXT_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && dout.is_cuda() && lse_in.is_cuda(),
               "flash_ext: tensors must be on a CUDA device");
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
+  FLASH_EXT_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
                   dout.device() == q.device() && lse_in.device() == q.device(),
               "flash_ext: dout, q, k, v, out and lse must be on the same device");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "flash_ext: only fp16 and bf16 are supported");
-  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype &&
+  FLASH_EXT_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "flash_ext: only fp16 and bf16 are supported");
+  FLASH_EXT_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype &&
                   dout.scalar_type() == dtype,
               "flash_ext: q, k, v, out and dout must have the same dtype");
-  TORCH_CHECK(lse_in.scalar_type() == at::kFloat, "flash_ext: lse must be float32");
+  FLASH_EXT_CHECK(lse_in.scalar_type() == at::kFloat, "flash_ext: lse must be float32");
   const int expect_dim = varlen ? 3 : 4;
-  TORCH_CHECK(q.dim() == expect_dim && k.dim() == expect_dim && v.dim() == expect_dim,
+  FLASH_EXT_CHECK(q.dim() == expect_dim && k.dim() == expect_dim && v.dim() == expect_dim,
               "flash_ext: q, k, v must be ", expect_dim, "-D");
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape");
-  TORCH_CHECK(out.sizes() == q.sizes(), "flash_ext: out must have q's shape");
-  TORCH_CHECK(dout.sizes() == q.sizes(), "flash_ext: dout must have q's shape");
+  FLASH_EXT_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape");
+  FLASH_EXT_CHECK(out.sizes() == q.sizes(), "flash_ext: out must have q's shape");
+  FLASH_EXT_CHECK(dout.sizes() == q.sizes(), "flash_ext: dout must have q's shape");
   const int d = q.size(-1);
-  TORCH_CHECK(k.size(-1) == d, "flash_ext: q, k, v must have the same head dim");
-  TORCH_CHECK(d % 8 == 0 && d > 0 && d <= 256,
+  FLASH_EXT_CHECK(k.size(-1) == d, "flash_ext: q, k, v must have the same head dim");
+  FLASH_EXT_CHECK(d % 8 == 0 && d > 0 && d <= 256,
               "flash_ext: head dim must be a multiple of 8 in [8, 256] at the op level; got ", d);
   const int hq = q.size(-2), hkv = k.size(-2);
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "flash_ext: heads of q (", hq,
+  FLASH_EXT_CHECK(hkv > 0 && hq % hkv == 0, "flash_ext: heads of q (", hq,
               ") must be a multiple of heads of k/v (", hkv, ")");
-  TORCH_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "flash_ext: softmax_scale must be positive and finite");
-  TORCH_CHECK(softcap >= 0, "flash_ext: softcap must be >= 0");
-  TORCH_CHECK(window_left >= -1 && window_right >= -1, "flash_ext: window sizes must be >= -1");
+  FLASH_EXT_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "flash_ext: softmax_scale must be positive and finite");
+  FLASH_EXT_CHECK(softcap >= 0, "flash_ext: softcap must be >= 0");
+  FLASH_EXT_CHECK(window_left >= -1 && window_right >= -1, "flash_ext: window sizes must be >= -1");
   check_rows_aligned(q, "q");
   check_rows_aligned(k, "k");
   check_rows_aligned(v, "v");
@@ -247,14 +247,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   if (varlen) {
     const auto& cq = *cu_seqlens_q;
     const auto& ck = *cu_seqlens_k;
-    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt, "flash_ext: cu_seqlens must be int32");
-    TORCH_CHECK(cq.dim() == 1 && ck.dim() == 1 && cq.numel() == ck.numel() && cq.numel() >= 1,
+    FLASH_EXT_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt, "flash_ext: cu_seqlens must be int32");
+    FLASH_EXT_CHECK(cq.dim() == 1 && ck.dim() == 1 && cq.numel() == ck.numel() && cq.numel() >= 1,
                 "flash_ext: cu_seqlens_q and cu_seqlens_k must be 1-D of the same length batch + 1");
-    TORCH_CHECK(cq.device() == q.device() && ck.device() == q.device(), "flash_ext: cu_seqlens must be on q's device");
-    TORCH_CHECK(cq.is_contiguous() && ck.is_contiguous(), "flash_ext: cu_seqlens must be contiguous");
-    TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_ext: max_seqlen must be >= 0");
+    FLASH_EXT_CHECK(cq.device() == q.device() && ck.device() == q.device(), "flash_ext: cu_seqlens must be on q's device");
+    FLASH_EXT_CHECK(cq.is_contiguous() && ck.is_contiguous(), "flash_ext: cu_seqlens must be contiguous");
+    FLASH_EXT_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_ext: max_seqlen must be >= 0");
     const int64_t total_q = q.size(0);
-    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == hq && lse.size(1) == total_q,
+    FLASH_EXT_CHECK(lse.dim() == 2 && lse.size(0) == hq && lse.size(1) == total_q,
                 "flash_ext: lse must be (heads_q, total_q) = (", hq, ", ", total_q, ") for varlen; got ", lse.sizes());
     batch = cq.numel() - 1;
     seqlen_q_max = max_seqlen_q;
@@ -264,11 +264,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     p.lse_batch_stride = 0;
     p.lse_head_stride = total_q;
   } else {
-    TORCH_CHECK(k.size(0) == q.size(0), "flash_ext: q and k/v must have the same batch size");
+    FLASH_EXT_CHECK(k.size(0) == q.size(0), "flash_ext: q and k/v must have the same batch size");
     batch = q.size(0);
     seqlen_q_max = q.size(1);
     seqlen_k_max = k.size(1);
-    TORCH_CHECK(lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == hq && lse.size(2) == seqlen_q_max,
+    FLASH_EXT_CHECK(lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == hq && lse.size(2) == seqlen_q_max,
                 "flash_ext: lse must be (batch, heads_q, seqlen_q); got ", lse.sizes());
     p.q_batch_stride = q.stride(0);
     p.k_batch_stride = k.stride(0);
@@ -278,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     p.lse_batch_stride = int64_t(hq) * seqlen_q_max;
     p.lse_head_stride = seqlen_q_max;
   }
-  TORCH_CHECK(batch <= 65535 && hq <= 65535, "flash_ext: batch and heads must be <= 65535");
+  FLASH_EXT_CHECK(batch <= 65535 && hq <= 65535, "flash_ext: batch and heads must be <= 65535");
   p.batch = int(batch);
   p.seqlen_q = int(seqlen_q_max);
   p.seqlen_k = int(seqlen_k_max);

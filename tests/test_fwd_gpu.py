@@ -507,3 +507,21 @@ def test_no_quadratic_memory():
 def test_build_info_lists_capabilities():
     info = flash_ext.build_info()
     assert "hdims=" in info and "dtypes=" in info
+
+
+def test_op_level_errors_raise_and_do_not_crash():
+    """The C++ ops' own checks (reached when the Python layer is bypassed) raise RuntimeError with
+    their full message. Messages with several parts (numbers, shapes) once crashed the process
+    on the GPU machine (csrc/api_common.h, FLASH_EXT_CHECK)."""
+    ops = torch.ops.flash_ext
+    q = torch.randn(1, 64, 3, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"heads of q \(3\) must be a multiple of heads of k/v \(2\)"):
+        ops.fwd(q, k, k, None, None, 0, 0, 0.125, False, -1, -1, 0.0)
+    base = torch.randn(1, 64, 2, 68, device="cuda", dtype=torch.bfloat16)[..., :64]
+    with pytest.raises(RuntimeError, match=r"q strides must be multiples of 8 elements.*\[8704, 136, 68, 1\]"):
+        ops.fwd(base, base, base, None, None, 0, 0, 0.125, False, -1, -1, 0.0)
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = ops.fwd(q, q, q, None, None, 0, 0, 0.125, False, -1, -1, 0.0)
+    with pytest.raises(RuntimeError, match=r"lse must be \(batch, heads_q, seqlen_q\); got \[1, 2, 32\]"):
+        ops.bwd(out, q, q, q, out, lse[..., :32].contiguous(), None, None, 0, 0, 0.125, False, -1, -1, 0.0, False)
