@@ -25,7 +25,10 @@ struct BwdTraits {
   static constexpr int kConsumerWGs = 2;
   static constexpr int kMmaThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kMmaThreads + 128;
-  static constexpr int kProducerRegs = 32;  // (2 * 240 + 32) * 128 = 64K registers
+  // setmaxnreg moves registers within the CTA's launch allocation (168 per thread): the producer
+  // must free (168 - 24) * 128 = 18432, exactly what two consumer warpgroups need to reach 240.
+  // (32 deadlocks: the consumers wait forever for registers.) Its tile loop spills a few bytes.
+  static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(kHeadDim % 64 == 0, "128-byte swizzled rows");
 
