@@ -286,19 +286,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const BwdPath path = choose_bwd_path(p, q.get_device());
   // D = rowsum(dO * O), laid out like lse (contiguous). The Hopper kernel reads D and lse * log2(e)
   // from (batch, heads_q, seqlen_q rounded up) buffers that its preprocess kernel fills.
-  at::Tensor dsum, lse_log2, tile_counter;
+  at::Tensor dsum, lse_log2;
   if (path == BwdPath::kSm90) {
     p.seqlen_q_padded = int((seqlen_q_max + kBwdSm90PadRows - 1) / kBwdSm90PadRows * kBwdSm90PadRows);
     dsum = at::empty({batch, hq, p.seqlen_q_padded}, f32);
     lse_log2 = at::empty({batch, hq, p.seqlen_q_padded}, f32);
     p.lse_log2 = lse_log2.data_ptr<float>();
-    // Persistent grid (default) claims tiles from this counter; FLASH_EXT_SM90_PERSISTENT=0 gives
-    // one CTA per tile (for measurements).
-    const char* persistent = std::getenv("FLASH_EXT_SM90_PERSISTENT");
-    if (!(persistent != nullptr && persistent[0] == '0')) {
-      tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
-      p.tile_counter = tile_counter.data_ptr<int>();
-    }
   } else {
     dsum = at::empty_like(lse);
   }

@@ -1,5 +1,6 @@
-"""A/B timing of Hopper backward variants selected by environment variables, beside SDPA flash's
-backward, in one process (developer tool for docs/perf-notes.md). Usage: python tools/ab_sm90_bwd.py
+"""A/B timing of backward variants selected by environment variables, beside SDPA flash's
+backward, in one process (developer tool for docs/perf-notes.md).
+Usage: PYTHONPATH=. python tools/ab_sm90_bwd.py
 TFLOP/s with the backward counted as 2.5x the forward's FLOPs (halved for causal)."""
 import os
 import statistics
@@ -27,8 +28,7 @@ def time_ms(fn, reps=20, warmup=5):
 
 
 VARIANTS = {
-    "persistent": {},
-    "per_tile": {"FLASH_EXT_SM90_PERSISTENT": "0"},
+    "default": {},
     "sm80": {"FLASH_EXT_BWD_PATH": "sm80"},
 }
 print(f"{'config':28s} " + " ".join(f"{k:>10s}" for k in VARIANTS) + f" {'sdpa_flash':>10s}")

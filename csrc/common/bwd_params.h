@@ -37,8 +37,6 @@ struct BwdParams : FwdParams {
   // (p.dsum then points at the padded D), written by its preprocess kernel.
   float* __restrict__ lse_log2;
   int seqlen_q_padded;
-  // Hopper backward: zeroed int the persistent CTAs claim tiles from; nullptr = one CTA per tile.
-  int* tile_counter;
 
   bool deterministic;
 

@@ -5,10 +5,9 @@
 //                          buffers padded to a multiple of kBlockM rows (pad: D = 0, lse = +inf,
 //                          so padded rows give P = 0 and need no mask), and the layout the
 //                          main kernel bulk-copies (16-byte aligned rows).
-//   bwd_kernel             one tile per (key block, head, batch), persistent CTAs (BwdTileScheduler):
-//                          a producer thread loads K, V once per tile and streams Q, dO, lse, D
-//                          of every query block that sees the key block through a kStages ring
-//                          (TMA, mbarriers); two consumer
+//   bwd_kernel             one CTA per (key block, head, batch): a producer warp loads K, V once
+//                          and streams Q, dO, lse, D of every query block that sees the key
+//                          block through a kStages ring (TMA, mbarriers); two consumer
 //                          warpgroups, 64 keys each, compute per query block
 //                            S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse)   (wgmma SS)
 //                            dP^T = V dO^T                                         (wgmma SS)
@@ -125,31 +124,6 @@ __device__ __forceinline__ void mask_transposed(TensorS& st, const TensorC& coor
   }
 }
 
-// Tile scheduler of the backward. A tile is (key block, head, batch). The grid is persistent (one
-// CTA per SM; a CTA claims its next tile from a global counter when it has issued the loads of
-// the current one, so its next K, V load overlaps the current epilogue) or one CTA per tile.
-// Order: under a causal / local mask key block 0 of every (head, batch) first, then key block 1,
-// ...: the longest tiles first, the short ones fill the tail. Without a mask the key blocks of
-// one (head, batch) are consecutive, so CTAs running together share its Q and dO in L2.
-template <bool kLongestFirst>
-struct BwdTileScheduler {
-  int num_n_blocks, heads, heads_batches, num_tiles;
-  __device__ __forceinline__ BwdTileScheduler(int n_blocks, int h, int b)
-      : num_n_blocks(n_blocks), heads(h), heads_batches(h * b), num_tiles(n_blocks * h * b) {}
-  __device__ __forceinline__ void tile(int t, int& n_block, int& head, int& batch) const {
-    int hb;
-    if constexpr (kLongestFirst) {
-      n_block = t / heads_batches;
-      hb = t - n_block * heads_batches;
-    } else {
-      hb = t / num_n_blocks;
-      n_block = t - hb * num_n_blocks;
-    }
-    head = hb % heads;
-    batch = hb / heads;
-  }
-};
-
 template <typename Traits, bool kHasWindow>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -164,10 +138,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const BwdParams& p = args.p;
+  const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const int warp_group = threadIdx.x / 128;  // 0: producer
   const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
   const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
-  const BwdTileScheduler<kHasWindow> scheduler((seqlen_k + kBlockN - 1) / kBlockN, p.heads_q, p.batch);
+  int m_min, m_max;
+  mask.query_block_range(n_block, m_min, m_max);
 
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
@@ -175,7 +151,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     Barrier::init(&ss.barrier_kv, 1);
-    Barrier::init(&ss.barrier_kv_empty, Traits::kMmaThreads);
   }
   typename Pipeline::Params pipe_params;
   pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
@@ -200,55 +175,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-    int tile = blockIdx.x;
-    for (int iter = 0;; ++iter) {
-      // The consumers are done with the previous tile's K, V and have read its tile slot.
-      if (iter > 0) Barrier::wait(&ss.barrier_kv_empty, (iter - 1) & 1);
-      if (tile >= scheduler.num_tiles) {
-        ss.tile_slot[iter & 1] = -1;
-        Barrier::arrive(&ss.barrier_kv);  // wakes the consumers to exit
-        break;
-      }
-      // Published to the consumers by the barrier_kv arrival below; two slots, so the consumers
-      // can re-read theirs until this tile's successor is claimed.
-      ss.tile_slot[iter & 1] = tile;
-      int n_block, head, batch, m_min, m_max;
-      scheduler.tile(tile, n_block, head, batch);
-      mask.query_block_range(n_block, m_min, m_max);
-      const int head_kv = head / (p.heads_q / p.heads_kv);
-      Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, batch);
-      Tensor mdO = args.tma_do.get_tma_tensor(args.shape_q)(_, _, head, batch);
-      Tensor mK = args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
-      Tensor mV = args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
-      Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-      Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      const int64_t row_base = (int64_t(batch) * p.heads_q + head) * args.seqlen_q_padded;
+    if (threadIdx.x != 0 || m_min >= m_max) return;
+    const int head_kv = head / (p.heads_q / p.heads_kv);
+    Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, batch);
+    Tensor mdO = args.tma_do.get_tma_tensor(args.shape_q)(_, _, head, batch);
+    Tensor mK = args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
+    Tensor mV = args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    const int64_t row_base = (int64_t(batch) * p.heads_q + head) * args.seqlen_q_padded;
 
-      Barrier::arrive_and_expect_tx(&ss.barrier_kv, Traits::kTmaBytesKV);
-      copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
-      copy(args.tma_v.with(ss.barrier_kv), tVgV, tVsV);
-      for (int m_block = m_min; m_block < m_max; ++m_block) {
-        pipeline_q.producer_acquire(write);
-        auto* bar = pipeline_q.producer_get_barrier(write);
-        const int stage = write.index();
-        copy(args.tma_q.with(*bar), tQgQ(_, m_block), tQsQ(_, stage));
-        copy(args.tma_do.with(*bar), tdOgdO(_, m_block), tdOsdO(_, stage));
-        const int64_t row = row_base + int64_t(m_block) * kBlockM;
-        SM90_BULK_COPY_G2S::copy(args.lse_log2 + row, bar, &ss.lse_log2[stage][0], kBlockM * sizeof(float));
-        SM90_BULK_COPY_G2S::copy(args.dsum + row, bar, &ss.dsum[stage][0], kBlockM * sizeof(float));
-        ++write;
-      }
-      // Next tile: claimed from the global counter (persistent grid), else this CTA's only one.
-      if constexpr (!Traits::kPersistent) break;  // its consumers take exactly one tile
-      tile = p.tile_counter != nullptr ? atomicAdd(p.tile_counter, 1) + int(gridDim.x) : scheduler.num_tiles;
+    Barrier::arrive_and_expect_tx(&ss.barrier_kv, Traits::kTmaBytesKV);
+    copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
+    copy(args.tma_v.with(ss.barrier_kv), tVgV, tVsV);
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
+    for (int m_block = m_min; m_block < m_max; ++m_block) {
+      pipeline_q.producer_acquire(write);
+      auto* bar = pipeline_q.producer_get_barrier(write);
+      const int stage = write.index();
+      copy(args.tma_q.with(*bar), tQgQ(_, m_block), tQsQ(_, stage));
+      copy(args.tma_do.with(*bar), tdOgdO(_, m_block), tdOsdO(_, stage));
+      const int64_t row = row_base + int64_t(m_block) * kBlockM;
+      SM90_BULK_COPY_G2S::copy(args.lse_log2 + row, bar, &ss.lse_log2[stage][0], kBlockM * sizeof(float));
+      SM90_BULK_COPY_G2S::copy(args.dsum + row, bar, &ss.dsum[stage][0], kBlockM * sizeof(float));
+      ++write;
     }
     return;
   }
@@ -278,6 +234,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dv);
+  clear(acc_dk);
   // (key, query) of each score element in the tile, and (query, col) of each dQ element.
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor cS_rows = make_tensor(cS.data(), gmma_acc_as_rows_cols(cS.layout()));
@@ -288,30 +246,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const bool use_softcap = p.softcap > 0.f;
   // With softcap, tanh(S * scale / cap) is recovered from P: S' = ln(P) + lse (see sm80 bwd).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
+  float* dq_base = p.dq_accum + int64_t(batch) * p.dqa_batch_stride + head * p.dqa_head_stride;
 
-  PipelineState read;
-  int steps = 0;  // query blocks done by this CTA, over all its tiles: the dS / P^T buffer parity
-#pragma unroll 1
-  for (int iter = 0; Traits::kPersistent || iter < 1; ++iter) {
-    Barrier::wait(&ss.barrier_kv, iter & 1);
-    // Registers are tight: the tile index is re-read where it is needed (from shared memory, or
-    // blockIdx.x with one CTA per tile), not kept live through the loop.
-    const volatile int* tile_slot = &ss.tile_slot[iter & 1];
-    auto current_tile = [&]() { return Traits::kPersistent ? *tile_slot : int(blockIdx.x); };
-    if (current_tile() < 0) break;
-    int n_block, m_min, m_max;
-    float* dq_base;
-    {
-      int head, batch;
-      scheduler.tile(current_tile(), n_block, head, batch);
-      dq_base = p.dq_accum + int64_t(batch) * p.dqa_batch_stride + head * p.dqa_head_stride;
-    }
-    mask.query_block_range(n_block, m_min, m_max);
-    clear(acc_dv);
-    clear(acc_dk);
-    for (int m_block = m_min; m_block < m_max; ++m_block, ++steps) {
+  if (m_min < m_max) {
+    Barrier::wait(&ss.barrier_kv, 0);
+    PipelineState read;
+    for (int m_block = m_min; m_block < m_max; ++m_block) {
       const int stage = read.index();
-      const int buf = steps & 1;
+      const int buf = (m_block - m_min) & 1;
       pipeline_q.consumer_wait(read);
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -405,30 +347,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         }
       }
     }
-    // K, V (and the tile slot) are free for the next tile's loads, which overlap this epilogue.
-    Barrier::arrive(&ss.barrier_kv_empty);
+  }
 
-    // Epilogue: dK (already scaled) and dV in the input dtype, rows < seqlen_k, cols < head_dim.
-    int head, batch;
-    scheduler.tile(current_tile(), n_block, head, batch);
-    Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    const int rows_k = seqlen_k - n_block * kBlockN;
-    Element* dk_tile = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride +
-                       int64_t(n_block) * kBlockN * p.dk_row_stride;
-    Element* dv_tile = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride +
-                       int64_t(n_block) * kBlockN * p.dv_row_stride;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); i += 2) {
-      const int row = get<0>(cKV(i)), col = get<1>(cKV(i));
-      if (row < rows_k && col < p.head_dim) {
-        cutlass::Array<Element, 2> k2, v2;
-        k2[0] = Element(acc_dk(i));
-        k2[1] = Element(acc_dk(i + 1));
-        v2[0] = Element(acc_dv(i));
-        v2[1] = Element(acc_dv(i + 1));
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dk_tile + row * p.dk_row_stride + col) = k2;
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dv_tile + row * p.dv_row_stride + col) = v2;
-      }
+  // Epilogue: dK (already scaled) and dV in the input dtype, rows < seqlen_k, cols < head_dim.
+  const int rows_k = seqlen_k - n_block * kBlockN;
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Element* dk_tile = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride +
+                     int64_t(n_block) * kBlockN * p.dk_row_stride;
+  Element* dv_tile = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride +
+                     int64_t(n_block) * kBlockN * p.dv_row_stride;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); i += 2) {
+    const int row = get<0>(cKV(i)), col = get<1>(cKV(i));
+    if (row < rows_k && col < p.head_dim) {
+      cutlass::Array<Element, 2> k2, v2;
+      k2[0] = Element(acc_dk(i));
+      k2[1] = Element(acc_dk(i + 1));
+      v2[0] = Element(acc_dv(i));
+      v2[1] = Element(acc_dv(i + 1));
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk_tile + row * p.dk_row_stride + col) = k2;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv_tile + row * p.dv_row_stride + col) = v2;
     }
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

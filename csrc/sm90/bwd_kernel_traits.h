@@ -25,9 +25,6 @@ struct BwdTraits {
   static constexpr int kConsumerWGs = 2;
   static constexpr int kMmaThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kMmaThreads + 128;
-  // setmaxnreg moves registers within the CTA's launch allocation (168 per thread): the producer
-  // must free (168 - 24) * 128 = 18432, exactly what two consumer warpgroups need to reach 240.
-  // (32 deadlocks: the consumers wait forever for registers.) Its tile loop spills a few bytes.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(kHeadDim % 64 == 0, "128-byte swizzled rows");
@@ -44,10 +41,6 @@ struct BwdTraits {
   // dQ = dS K: split by rows when each warpgroup can take 64 query rows, else by columns (which
   // then must be whole 64-wide swizzle atoms of K^T).
   static constexpr bool kDqSplitRows = kBlockM == 128;
-  // Persistent CTAs (BwdTileScheduler) cost the consumers a few loop-carried registers; at d = 64
-  // (kBlockM = 128: 64 + 64 score accumulators) that made ptxas spill, so d = 64 keeps one CTA
-  // per tile (docs/perf-notes.md).
-  static constexpr bool kPersistent = kBlockM != 128;
   static_assert(kBlockM == 128 || (kBlockM == 64 && kHeadDim % 128 == 0), "dQ split");
 
   using AtomSplitM = Layout<Shape<_2, _1, _1>>;
@@ -112,9 +105,7 @@ struct BwdTraits {
     alignas(128) float lse_log2[kStages][kBlockM];
     alignas(128) float dsum[kStages][kBlockM];
     typename Pipeline::SharedStorage pipeline_q;
-    uint64_t barrier_kv;        // K, V of the current tile landed (and tile_slot is set)
-    uint64_t barrier_kv_empty;  // the consumers are done with them
-    int tile_slot[2];           // tile of step `iter` in slot iter % 2; -1: no more
+    uint64_t barrier_kv;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");

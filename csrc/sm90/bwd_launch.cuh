@@ -2,7 +2,6 @@
 // (docs/kernels-sm90-bwd.md), the preprocess kernel and the main kernel's launch.
 #pragma once
 #include <cuda_runtime.h>
-#include <algorithm>
 #include <cutlass/numeric_types.h>
 
 #include "dispatch/bwd_dispatch.h"
@@ -42,13 +41,9 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   auto kernel = &bwd_kernel<Traits, kHasWindow>;
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  // Persistent (one CTA per SM, tiles claimed from p.tile_counter) unless p.tile_counter is null.
-  const int64_t tiles = int64_t((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN) * p.heads_q * p.batch;
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const bool persistent = Traits::kPersistent && p.tile_counter != nullptr;
-  const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
+  // Key blocks in blockIdx.x order: under a causal mask block 0 has the most query blocks, so
+  // the longest CTAs start first.
+  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
 
