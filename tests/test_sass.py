@@ -50,15 +50,16 @@ def _sass_by_function(so_path, exe):
 
 
 @pytest.mark.skipif("90a" not in flash_ext.build_info(), reason="this build has no sm_90a kernels")
-def test_sm90_forward_uses_hgmma():
+@pytest.mark.parametrize("kernel", ["fwd_kernel", "bwd_kernel"])
+def test_sm90_kernels_use_hgmma(kernel):
     exe = _find_cuobjdump()
     if exe is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     so = _extension_path()
     assert so, "flash_ext/_C*.so not found next to the package"
     funcs = _sass_by_function(so, exe)
-    sm90 = {n: body for n, body in funcs.items() if "sm9010fwd_kernel" in n}
-    assert sm90, "no sm90 forward kernel in the extension's SASS"
+    sm90 = {n: body for n, body in funcs.items() if f"sm90{len(kernel)}{kernel}" in n}
+    assert sm90, f"no sm90 {kernel} in the extension's SASS"
     for name, body in sm90.items():
         text = "\n".join(body)
         if "EXIT" in text and "HGMMA" not in text and len(body) < 50:
