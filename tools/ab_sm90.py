@@ -1,28 +1,17 @@
 """A/B timing of Hopper forward variants selected by environment variables, beside cuDNN, in one
-process (developer tool for docs/perf-notes.md). Usage: python tools/ab_sm90.py"""
+process (developer tool for docs/perf-notes.md). Usage: PYTHONPATH=. python tools/ab_sm90.py"""
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext
+from flash_ext.bench import time_ms as _bench_time_ms
 
 
 def time_ms(fn, reps=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ts.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ts)
+    return _bench_time_ms(fn, reps, warmup)
 
 
 VARIANTS = {

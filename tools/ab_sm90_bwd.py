@@ -3,28 +3,17 @@ backward, in one process (developer tool for docs/perf-notes.md).
 Usage: PYTHONPATH=. python tools/ab_sm90_bwd.py
 TFLOP/s with the backward counted as 2.5x the forward's FLOPs (halved for causal)."""
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext
+from flash_ext.bench import time_ms as _bench_time_ms
 
 
 def time_ms(fn, reps=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ts.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ts)
+    return _bench_time_ms(fn, reps, warmup)
 
 
 VARIANTS = {
