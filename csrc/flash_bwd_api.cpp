@@ -297,19 +297,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   }
   p.dsum = dsum.data_ptr<float>();
 
-  // fp32 dQ accumulator shaped like q (contiguous), zeroed here. Deterministic: one slice per
-  // key block of the main kernel, summed below in a fixed order.
-  const BwdTile tile = bwd_sm80_pick_tile(kd);
-  const int64_t n_splits = deterministic ? std::max<int64_t>(1, (seqlen_k_max + tile.block_n - 1) / tile.block_n) : 1;
-  std::vector<int64_t> dqa_shape(q.sizes().begin(), q.sizes().end());
-  if (deterministic) dqa_shape.insert(dqa_shape.begin(), n_splits);
-  at::Tensor dq_accum = at::zeros(dqa_shape, f32);
-  const int o = deterministic ? 1 : 0;  // dims of dq_accum are offset by the split dim
-  p.dq_accum = dq_accum.data_ptr<float>();
-  p.dq_split_stride = deterministic ? dq_accum.stride(0) : 0;
-  p.dqa_batch_stride = varlen ? 0 : dq_accum.stride(o);
-  p.dqa_row_stride = dq_accum.stride(o + r);
-  p.dqa_head_stride = dq_accum.stride(o + r + 1);
+  at::Tensor dq_accum, dq_sm90;
+  if (path == BwdPath::kSm90) {
+    // Tiles of the Hopper kernel (BwdParams::dq, sm90/bwd_kernel.cuh), zeroed by its preprocess
+    // kernel; its convert kernel writes dq (laid out like q) directly.
+#ifdef FLASH_EXT_SM90A
+    const int64_t dqa_cols = sm90_bwd_kernel_head_dim(d);
+#else
+    const int64_t dqa_cols = 0;  // unreachable: choose_bwd_path picks sm90 only in 90a builds
+#endif
+    dq_accum = at::empty({batch, hq, p.seqlen_q_padded, dqa_cols}, f32);
+    dq_sm90 = at::empty(q.sizes(), q.options());
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq = dq_sm90.data_ptr();
+    p.dq_batch_stride = dq_sm90.stride(0);
+    p.dq_row_stride = dq_sm90.stride(r);
+    p.dq_head_stride = dq_sm90.stride(r + 1);
+  } else {
+    // fp32 dQ accumulator shaped like q (contiguous), zeroed here. Deterministic: one slice per
+    // key block of the main kernel, summed below in a fixed order.
+    const BwdTile tile = bwd_sm80_pick_tile(kd);
+    const int64_t n_splits = deterministic ? std::max<int64_t>(1, (seqlen_k_max + tile.block_n - 1) / tile.block_n) : 1;
+    std::vector<int64_t> dqa_shape(q.sizes().begin(), q.sizes().end());
+    if (deterministic) dqa_shape.insert(dqa_shape.begin(), n_splits);
+    dq_accum = at::zeros(dqa_shape, f32);
+    const int o = deterministic ? 1 : 0;  // dims of dq_accum are offset by the split dim
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq_split_stride = deterministic ? dq_accum.stride(0) : 0;
+    p.dqa_batch_stride = varlen ? 0 : dq_accum.stride(o);
+    p.dqa_row_stride = dq_accum.stride(o + r);
+    p.dqa_head_stride = dq_accum.stride(o + r + 1);
+  }
 
   // dK, dV in the input dtype. GQA/MQA: the kernel writes one gradient per query head into
   // expanded (.., heads_q, d) buffers, summed over each group of heads_q / heads_kv below.
@@ -341,7 +359,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     dv_buf.zero_();
   }
 
-  at::Tensor dq = (deterministic ? dq_accum.sum(0) : dq_accum).to(dtype);
+  at::Tensor dq;
+  if (path == BwdPath::kSm90) {
+    // Written by the Hopper kernels only when they ran (batch, heads or seqlen_q may be 0).
+    dq = p.batch > 0 && q.numel() > 0 && k.numel() > 0 ? dq_sm90 : dq_sm90.zero_();
+  } else {
+    dq = (deterministic ? dq_accum.sum(0) : dq_accum).to(dtype);
+  }
   at::Tensor dk = dk_buf, dv = dv_buf;
   if (expand) {
     std::vector<int64_t> grouped(kv_shape);

@@ -4,7 +4,7 @@
 //   bwd_preprocess_kernel  D = rowsum(dO * O) and lse * log2(e) per query row, written into
 //                          buffers padded to a multiple of kBlockM rows (pad: D = 0, lse = +inf,
 //                          so padded rows give P = 0 and need no mask), and the layout the
-//                          main kernel bulk-copies (16-byte aligned rows).
+//                          main kernel bulk-copies (16-byte aligned rows); zeroes dq_accum.
 //   bwd_kernel             one CTA per (key block, head, batch): a producer warp loads K, V once
 //                          and streams Q, dO, lse, D of every query block that sees the key
 //                          block through a kStages ring (TMA, mbarriers); two consumer
@@ -16,6 +16,7 @@
 //                            dK += dS^T Q                                          (wgmma RS)
 //                            dQ_i += dS K (dS through shared memory, fp32 atomics) (wgmma SS)
 //                          dK and dV stay in registers until the end.
+//   bwd_dq_convert_kernel  dq (input dtype) from the fp32 dq_accum tiles.
 #pragma once
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -60,17 +61,31 @@ struct BwdArgs {
   int seqlen_q_padded;
 };
 
+// dq_accum layout. The dQ tile of query block m of (batch, head) is kBlockM x kHeadDim floats at
+// ((batch * heads_q + head) * seqlen_q_padded + m * kBlockM) * kHeadDim, stored in the order of
+// the dQ GEMM's accumulator fragments rather than by rows: value i of consumer thread t sits at
+// slot ((i / 4) * kMmaThreads + t) * 4 + i % 4. A warp's 16-byte reductions (red.v4) then cover
+// 512 contiguous bytes (row order would scatter them over 8 rows); bwd_dq_convert_kernel undoes
+// the permutation with the same fragment coordinates.
+template <typename Traits>
+__device__ __forceinline__ int dq_accum_slot(int i, int thread) {
+  return ((i / 4) * Traits::kMmaThreads + thread) * 4 + i % 4;
+}
+
 // D = rowsum(dO * O) over the real head dim, and lse in log2 units, into the padded buffers.
 // A warp per row; rows past seqlen_q (up to the padding) get D = 0, lse = +inf. Rows that see no
-// key (lse = -inf, output 0) also get lse = +inf: P = exp2(s - inf) = 0, never NaN.
+// key (lse = -inf, output 0) also get lse = +inf: P = exp2(s - inf) = 0, never NaN. The warp also
+// zeroes its row's share (dqa_cols floats) of dq_accum, so no separate memset runs.
 template <typename Element>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_constant__ BwdParams p, float* lse_log2,
-                                                             float* dsum, int seqlen_q_padded) {
+                                                             float* dsum, int seqlen_q_padded, int dqa_cols) {
   const int head = blockIdx.y, batch = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * 8 + warp;
   if (row >= seqlen_q_padded) return;
   const int64_t out = (int64_t(batch) * p.heads_q + head) * seqlen_q_padded + row;
+  float4* dqa_row = reinterpret_cast<float4*>(p.dq_accum + out * dqa_cols);
+  for (int c = lane; c < dqa_cols / 4; c += 32) dqa_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (row >= p.seqlen_q) {
     if (lane == 0) {
       lse_log2[out] = INFINITY;
@@ -236,17 +251,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(acc_dv);
   clear(acc_dk);
-  // (key, query) of each score element in the tile, and (query, col) of each dQ element.
+  // (key, query) of each score element in the tile.
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor cS_rows = make_tensor(cS.data(), gmma_acc_as_rows_cols(cS.layout()));
-  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
   const float scale_log2 = p.softmax_scale_log2;
   const float softmax_scale = p.softmax_scale;
   const bool use_softcap = p.softcap > 0.f;
   // With softcap, tanh(S * scale / cap) is recovered from P: S' = ln(P) + lse (see sm80 bwd).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
-  float* dq_base = p.dq_accum + int64_t(batch) * p.dqa_batch_stride + head * p.dqa_head_stride;
+  float* dq_base = p.dq_accum + (int64_t(batch) * p.heads_q + head) * args.seqlen_q_padded * kHeadDim;
 
   if (m_min < m_max) {
     Barrier::wait(&ss.barrier_kv, 0);
@@ -334,17 +348,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       pipeline_q.consumer_release(read);
       ++read;
 
-      // dQ_i += dS K in fp32, two adjacent columns per atomic (values i, i+1 of a row).
-      const int rows_q = seqlen_q - m_block * kBlockM;
-      float* dq_tile = dq_base + int64_t(m_block) * kBlockM * p.dqa_row_stride;
+      // dQ_i += dS K in fp32, four values per reduction into this thread's slots of the tile
+      // (dq_accum_slot). No predicate: the buffer has padded rows and kHeadDim columns, and
+      // whatever lands past seqlen_q or head_dim is never read (it is 0 anyway: P = 0 on padded
+      // rows, K's columns past head_dim load as 0).
+      float* dq_tile = dq_base + int64_t(m_block) * kBlockM * kHeadDim;
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); i += 2) {
-        const int row = get<0>(cdQ(i)), col = get<1>(cdQ(i));
-        if (row < rows_q && col < p.head_dim) {
-          float* dst = dq_tile + int64_t(row) * p.dqa_row_stride + col;
-          asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(acc_dq(i)), "f"(acc_dq(i + 1))
-                       : "memory");
-        }
+      for (int i = 0; i < size(acc_dq); i += 4) {
+        float* dst = dq_tile + dq_accum_slot<Traits>(i, mma_tid);
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(acc_dq(i)),
+                     "f"(acc_dq(i + 1)), "f"(acc_dq(i + 2)), "f"(acc_dq(i + 3))
+                     : "memory");
       }
     }
   }
@@ -370,6 +384,59 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     }
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// dq = dq_accum in the input dtype: one CTA per (query block, head, batch). Each thread reads its
+// own fragment's slots (coalesced 16-byte loads), places the values by their (row, col) in a
+// shared-memory tile, and the CTA writes the rows < seqlen_q, columns < head_dim out with 16-byte
+// stores (element by element when head_dim is not a multiple of 8).
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kMmaThreads) bwd_dq_convert_kernel(const __grid_constant__ BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kCols = kHeadDim + 8;  // + 16 bytes: consecutive rows start in different banks
+  __shared__ alignas(16) Element tile[kBlockM * kCols];
+  const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int tid = threadIdx.x;
+  typename Traits::TiledMmaDQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  const float* src = p.dq_accum +
+                     ((int64_t(batch) * p.heads_q + head) * p.seqlen_q_padded + int64_t(m_block) * kBlockM) * kHeadDim;
+  CUTE_UNROLL
+  for (int i = 0; i < size(cdQ); i += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(src + dq_accum_slot<Traits>(i, tid));
+    const float vals[4] = {v.x, v.y, v.z, v.w};
+    CUTE_UNROLL
+    for (int e = 0; e < 4; e += 2) {  // values i + e, i + e + 1 are adjacent columns of one row
+      cutlass::Array<Element, 2> pair;
+      pair[0] = Element(vals[e]);
+      pair[1] = Element(vals[e + 1]);
+      const int row = get<0>(cdQ(i + e)), col = get<1>(cdQ(i + e));
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(&tile[row * kCols + col]) = pair;
+    }
+  }
+  __syncthreads();
+  const int rows = min(kBlockM, p.seqlen_q - m_block * kBlockM);
+  Element* dst = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+                 int64_t(m_block) * kBlockM * p.dq_row_stride;
+  if (p.head_dim % 8 == 0) {
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+    const int chunks = p.head_dim / 8;
+    for (int c = tid; c < rows * kChunks; c += Traits::kMmaThreads) {
+      const int row = c / kChunks, chunk = c % kChunks;
+      if (chunk < chunks) {
+        *reinterpret_cast<uint4*>(dst + row * p.dq_row_stride + chunk * 8) =
+            *reinterpret_cast<const uint4*>(&tile[row * kCols + chunk * 8]);
+      }
+    }
+  } else {
+    for (int c = tid; c < rows * kHeadDim; c += Traits::kMmaThreads) {
+      const int row = c / kHeadDim, col = c % kHeadDim;
+      if (col < p.head_dim) dst[row * p.dq_row_stride + col] = tile[row * kCols + col];
+    }
+  }
 }
 
 }  // namespace flash_ext::sm90

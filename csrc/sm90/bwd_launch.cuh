@@ -53,21 +53,24 @@ template <int kHeadDim, bool kIsBf16>
 void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
   using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
-  {
-    const dim3 grid((p.seqlen_q_padded + 7) / 8, p.heads_q, p.batch);
-    sm90::bwd_preprocess_kernel<Element><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded);
-  }
-  if (p.seqlen_k == 0) return;
   // (head dim, kBlockM queries, kBlockN keys, stages): see docs/kernels-sm90-bwd.md.
   using Traits = std::conditional_t<
       kHeadDim <= 64, sm90::BwdTraits<kHeadDim, 128, 128, 2, Element>,
       std::conditional_t<kHeadDim <= 128, sm90::BwdTraits<kHeadDim, 64, 128, 2, Element>,
                          sm90::BwdTraits<kHeadDim, 64, 64, 2, Element>>>;
-  if (p.has_window) {
-    sm90::launch_bwd<Traits, true>(p, stream);
-  } else {
-    sm90::launch_bwd<Traits, false>(p, stream);
+  {
+    const dim3 grid((p.seqlen_q_padded + 7) / 8, p.heads_q, p.batch);
+    sm90::bwd_preprocess_kernel<Element><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded, kHeadDim);
   }
+  if (p.seqlen_k > 0) {
+    if (p.has_window) {
+      sm90::launch_bwd<Traits, true>(p, stream);
+    } else {
+      sm90::launch_bwd<Traits, false>(p, stream);
+    }
+  }
+  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
+  sm90::bwd_dq_convert_kernel<Traits><<<grid, Traits::kMmaThreads, 0, stream>>>(p);
 }
 
 }  // namespace flash_ext
