@@ -73,45 +73,48 @@ __device__ __forceinline__ int dq_accum_slot(int i, int thread) {
 }
 
 // D = rowsum(dO * O) over the real head dim, and lse in log2 units, into the padded buffers.
-// A warp per row; rows past seqlen_q (up to the padding) get D = 0, lse = +inf. Rows that see no
-// key (lse = -inf, output 0) also get lse = +inf: P = exp2(s - inf) = 0, never NaN. The warp also
-// zeroes its row's share (dqa_cols floats) of dq_accum, so no separate memset runs.
-template <typename Element>
+// kHeadDim / 8 threads per row, 16 bytes of O and dO each (a d = 64 row is 8 threads: a warp per
+// row left 3/4 of the lanes idle); rows past seqlen_q (up to the padding) get D = 0, lse = +inf.
+// Rows that see no key (lse = -inf, output 0) also get lse = +inf: P = exp2(s - inf) = 0, never
+// NaN. The threads also zero their row's kHeadDim floats of dq_accum, so no separate memset runs.
+template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_constant__ BwdParams p, float* lse_log2,
-                                                             float* dsum, int seqlen_q_padded, int dqa_cols) {
+                                                             float* dsum, int seqlen_q_padded) {
+  constexpr int kThreadsPerRow = kHeadDim / 8;
+  static_assert(kThreadsPerRow <= 32 && 32 % kThreadsPerRow == 0, "a row's threads are lanes of one warp");
+  constexpr int kRowsPerCta = 256 / kThreadsPerRow;
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 8 + warp;
+  const int t = threadIdx.x % kThreadsPerRow;
+  const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow;
   if (row >= seqlen_q_padded) return;
   const int64_t out = (int64_t(batch) * p.heads_q + head) * seqlen_q_padded + row;
-  float4* dqa_row = reinterpret_cast<float4*>(p.dq_accum + out * dqa_cols);
-  for (int c = lane; c < dqa_cols / 4; c += 32) dqa_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (row >= p.seqlen_q) {
-    if (lane == 0) {
-      lse_log2[out] = INFINITY;
-      dsum[out] = 0.f;
-    }
-    return;
-  }
-  const Element* o_row = static_cast<const Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-                         int64_t(row) * p.o_row_stride;
-  const Element* do_row = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                          head * p.do_head_stride + int64_t(row) * p.do_row_stride;
+  float4* dqa_row = reinterpret_cast<float4*>(p.dq_accum + out * kHeadDim);
+  dqa_row[2 * t] = make_float4(0.f, 0.f, 0.f, 0.f);
+  dqa_row[2 * t + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
   float acc = 0.f;
-  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
-    const uint4 a = *reinterpret_cast<const uint4*>(o_row + c);
-    const uint4 b = *reinterpret_cast<const uint4*>(do_row + c);
+  if (row < p.seqlen_q && t * 8 < p.head_dim) {  // head_dim is a multiple of 8 (checked on the host)
+    const Element* o_row = static_cast<const Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+                           int64_t(row) * p.o_row_stride;
+    const Element* do_row = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
+                            head * p.do_head_stride + int64_t(row) * p.do_row_stride;
+    const uint4 a = *reinterpret_cast<const uint4*>(o_row + t * 8);
+    const uint4 b = *reinterpret_cast<const uint4*>(do_row + t * 8);
     const Element* ea = reinterpret_cast<const Element*>(&a);
     const Element* eb = reinterpret_cast<const Element*>(&b);
     CUTE_UNROLL
     for (int i = 0; i < 8; ++i) acc += float(ea[i]) * float(eb[i]);
   }
   CUTE_UNROLL
-  for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
-  if (lane == 0) {
-    const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
-    lse_log2[out] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-    dsum[out] = acc;
+  for (int s = kThreadsPerRow / 2; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
+  if (t == 0) {
+    if (row < p.seqlen_q) {
+      const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
+      lse_log2[out] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+      dsum[out] = acc;
+    } else {
+      lse_log2[out] = INFINITY;
+      dsum[out] = 0.f;
+    }
   }
 }
 

@@ -59,8 +59,11 @@ void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
       std::conditional_t<kHeadDim <= 128, sm90::BwdTraits<kHeadDim, 64, 128, 2, Element>,
                          sm90::BwdTraits<kHeadDim, 64, 64, 2, Element>>>;
   {
-    const dim3 grid((p.seqlen_q_padded + 7) / 8, p.heads_q, p.batch);
-    sm90::bwd_preprocess_kernel<Element><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded, kHeadDim);
+    constexpr int kRowsPerCta = 256 / (kHeadDim / 8);
+    // Whole CTAs past the padding exit, so every warp's shuffles see all of its lanes.
+    static_assert(kBwdSm90PadRows % kRowsPerCta == 0);
+    const dim3 grid((p.seqlen_q_padded + kRowsPerCta - 1) / kRowsPerCta, p.heads_q, p.batch);
+    sm90::bwd_preprocess_kernel<Element, kHeadDim><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded);
   }
   if (p.seqlen_k > 0) {
     if (p.has_window) {
