@@ -237,6 +237,9 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.sm90_pingpong = !(pingpong && std::string(pingpong) == "0");
   const char* persistent = std::getenv("FLASH_EXT_SM90_PERSISTENT");
   p.sm90_persistent = persistent ? (std::string(persistent) == "0" ? 0 : 1) : -1;
+  const char* tma_store = std::getenv("FLASH_EXT_SM90_TMA_STORE");
+  p.sm90_tma_store_o = !(tma_store && std::string(tma_store) == "0");
+  p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;
   const int r = varlen ? 0 : 1;  // index of the seqlen dim
@@ -290,6 +293,15 @@ void launch(FwdParams& p, const at::Tensor& q) {
   if (p.batch == 0 || p.seqlen_q == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+  // The Hopper kernel's persistent grid under a causal/local mask claims tiles from a counter
+  // that starts at zero on every call (sm90/fwd_kernel.cuh, TileScheduler). Allocated on the
+  // current stream: when it is freed below, the caching allocator hands it out again only to
+  // work ordered after this launch.
+  at::Tensor tile_counter;
+  if (p.has_window && p.sm90_persistent != 0 && choose_fwd_path(p, q.get_device()) == FwdPath::kSm90) {
+    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
+  }
   run_fwd(p, q.get_device(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

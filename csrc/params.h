@@ -56,9 +56,16 @@ struct FwdParams {
   // Hopper kernel: order the two consumer warpgroups' GEMMs (ping-pong). On by default;
   // FLASH_EXT_SM90_PINGPONG=0 turns it off (for measurements).
   bool sm90_pingpong;
-  // Hopper kernel grid: -1 auto (persistent without a mask), 0 one CTA per tile, 1 persistent.
+  // Hopper kernel grid: -1 auto (= 1), 0 one CTA per tile, 1 persistent (static stride without a
+  // mask; under a causal/local mask CTAs claim tiles from tile_counter).
   // FLASH_EXT_SM90_PERSISTENT=0/1 forces it (for measurements and tests).
   int sm90_persistent;
+  // Hopper kernel: O through shared memory and a TMA store (head dims <= 192, not varlen; else
+  // from registers). On by default; FLASH_EXT_SM90_TMA_STORE=0 turns it off.
+  bool sm90_tma_store_o;
+  // Hopper kernel, persistent grid under a causal/local mask: a zero-initialised int32 on the
+  // device from which CTAs claim tiles (flash_api.cpp allocates it per call); nullptr otherwise.
+  int* tile_counter;
 };
 
 }  // namespace flash_ext

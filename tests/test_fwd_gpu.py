@@ -315,6 +315,119 @@ def test_varlen_cuda_graph_capture():
 
 
 # ---------------------------------------------------------------------------------------------
+# Hopper kernel switches: O epilogue (TMA store / registers) x grid (persistent, where masked
+# calls claim tiles from a counter / one CTA per tile)
+# ---------------------------------------------------------------------------------------------
+
+# (FLASH_EXT_SM90_TMA_STORE, FLASH_EXT_SM90_PERSISTENT), each value read by flash_api.cpp per call.
+SM90_SWITCHES = [(tma, grid) for tma in ("0", "1") for grid in ("0", "1")]
+
+
+def _sm90_or_skip(fwd_path):
+    if not (torch.cuda.get_device_capability()[0] == 9 and "90a" in flash_ext.build_info()):
+        pytest.skip("needs an sm90 GPU and a build with 90a (the Hopper forward)")
+    if fwd_path != "sm90":
+        pytest.skip("sets the Hopper switches itself: runs once, under FLASH_EXT_FWD_PATH=sm90")
+
+
+def _each_sm90_switch(monkeypatch, run, check):
+    """run() under every switch combination; check(out, lse, label) each result, and require
+    all of them to be bitwise equal (the switches change where O goes and which CTA computes a
+    tile, never the arithmetic). monkeypatch restores the environment afterwards."""
+    first = None
+    for tma, grid in SM90_SWITCHES:
+        monkeypatch.setenv("FLASH_EXT_SM90_TMA_STORE", tma)
+        monkeypatch.setenv("FLASH_EXT_SM90_PERSISTENT", grid)
+        label = f"TMA_STORE={tma} PERSISTENT={grid}"
+        out, lse = run()
+        check(out, lse, label)
+        if first is None:
+            first = (label, out.clone(), lse.clone())
+        else:
+            assert torch.equal(out, first[1]), f"out under {label} differs from {first[0]}"
+            assert torch.equal(lse, first[2]), f"lse under {label} differs from {first[0]}"
+
+
+# (dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head dim, kwargs). Most have more tiles
+# (128 query rows x head x batch) than an H100/H200 has SMs, so persistent CTAs run several
+# tiles: they reuse their O tile in shared memory and the tile ring's slots.
+SM90_SWITCH_CASES = [
+    (torch.bfloat16, 3, 1000, 1000, 16, 16, 128, dict(causal=True)),
+    (torch.float16, 3, 1000, 1000, 16, 16, 128, dict()),
+    (torch.bfloat16, 2, 257, 257, 32, 8, 64, dict(causal=True)),             # GQA, odd seqlen
+    (torch.bfloat16, 2, 1000, 1000, 16, 4, 64, dict(window_size=(128, 64))),  # local window
+    (torch.bfloat16, 2, 1000, 257, 8, 1, 256, dict(causal=True)),  # MQA, sq > sk; d = 256: registers
+    (torch.bfloat16, 2, 257, 1000, 16, 16, 256, dict()),
+    (torch.bfloat16, 3, 300, 300, 16, 16, 96, dict(causal=True)),            # 64-byte swizzle
+    (torch.bfloat16, 2, 1000, 1000, 8, 8, 80, dict(causal=True)),  # d = 80 in the 96 kernel
+    (torch.float16, 2, 513, 700, 16, 16, 192, dict(window_size=(100, 0))),
+]
+
+
+@pytest.mark.parametrize("case", SM90_SWITCH_CASES,
+                         ids=lambda c: f"{dname(c[0])}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{c[7]}")
+def test_sm90_switches(case, fwd_path, monkeypatch, record_property):
+    _sm90_or_skip(fwd_path)
+    dtype, b, sq, sk, hq, hkv, d, kw = case
+    q, k, v = rand_qkv(b, sq, sk, hq, hkv, d, dtype)
+    ref, ref_lse = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    _each_sm90_switch(monkeypatch, lambda: flash_ext.attn_fwd(q, k, v, **kw),
+                      lambda out, lse, label: assert_close_to_ref(out, lse, ref, ref_lse, pt,
+                                                                  record_property, label))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(64, 16))], ids=str)
+def test_sm90_switches_varlen(kw, fwd_path, monkeypatch):
+    """Varlen keeps the register epilogue whatever FLASH_EXT_SM90_TMA_STORE says (a TMA box
+    would write into the next sequence's rows); the grid switch applies as usual."""
+    _sm90_or_skip(fwd_path)
+    lens_q = [0, 17, 300, 1000, 257, 1, 640]
+    lens_k = [5, 17, 280, 1000, 300, 1, 640]
+    hq, hkv, d = 16, 4, 128
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16)
+    cq, ck = cu_of(lens_q), cu_of(lens_k)
+    ref, ref_lse = attention_ref_varlen(q, k, v, cq, ck, **kw)
+    pt, _ = attention_ref_varlen(q, k, v, cq, ck, upcast=False, **kw)
+    _each_sm90_switch(
+        monkeypatch,
+        lambda: flash_ext.attn_fwd(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                   max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **kw),
+        lambda out, lse, label: assert_close_to_ref(out, lse, ref, ref_lse, pt, None,
+                                                    f"varlen {label}"))
+
+
+@pytest.mark.parametrize("d,causal", [(80, True), (64, False), (192, True)])
+def test_sm90_tma_store_stays_inside_out(d, causal, fwd_path, monkeypatch):
+    """out= a view into a NaN-filled buffer with extra rows and columns: the TMA store clips
+    its boxes to out's rows (seqlen_q) and columns (head_dim < the kernel's 96 at d = 80), and
+    every element of out is written."""
+    _sm90_or_skip(fwd_path)
+    b, sq, sk, h = 2, 300, 200, 4
+    q, k, v = rand_qkv(b, sq, sk, h, h, d, torch.bfloat16)
+    buf = torch.empty((b, sq + 16, h, d + 16), device="cuda", dtype=torch.bfloat16)
+    dst = buf[:, 8: 8 + sq, :, :d]
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    pt, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+
+    def run():
+        buf.fill_(float("nan"))
+        out, lse = flash_ext.attn_fwd(q, k, v, causal=causal, out=dst)
+        assert out.data_ptr() == dst.data_ptr()
+        return out, lse
+
+    def check(out, lse, label):
+        assert not dst.isnan().any(), f"{label}: some output element was not written"
+        assert buf[:, :8].isnan().all() and buf[:, 8 + sq:].isnan().all(), f"{label}: wrote outside out's rows"
+        assert buf[..., d:].isnan().all(), f"{label}: wrote outside out's columns"
+        assert_close_to_ref(dst, lse, ref, ref_lse, pt, None, f"out= {label}")
+
+    _each_sm90_switch(monkeypatch, run, check)
+
+
+# ---------------------------------------------------------------------------------------------
 # Outputs: every element written, nothing outside touched
 # ---------------------------------------------------------------------------------------------
 

@@ -1,6 +1,26 @@
 """A/B timing of Hopper forward variants selected by environment variables, beside cuDNN, in one
-process (developer tool for docs/perf-notes.md). Usage: PYTHONPATH=. python tools/ab_sm90.py"""
+process (developer tool for docs/perf-notes.md).
+
+Usage: PYTHONPATH=. python tools/ab_sm90.py [--variants auto,old,tma_off,per_tile] [--hdims 64,128]
+       [--seqlens 1024,4096] [--masks full,causal,local] [--rounds 3] [--no-cudnn]
+
+Variants (environment variables read by flash_api.cpp at each call):
+  auto      the defaults: TMA-store epilogue (d <= 192), persistent grid (tiles claimed from a
+            counter under causal/local masks)
+  old       the defaults before the TMA store and the dynamic scheduler: register epilogue, and
+            one CTA per tile under masks
+  tma_off   FLASH_EXT_SM90_TMA_STORE=0 (register epilogue), grid as auto
+  per_tile  FLASH_EXT_SM90_PERSISTENT=0 (one CTA per tile), epilogue as auto
+  persist   FLASH_EXT_SM90_PERSISTENT=1 (= auto since the dynamic scheduler)
+  nopp      FLASH_EXT_SM90_PINGPONG=0
+The variants of one row are timed in turns, --rounds times, and each reports its median over the
+rounds, so that clock and thermal drift hit all of them alike (run-to-run spread is ~3%).
+TFLOP/s: 4 * b * h * s^2 * d, halved for causal; local (window (512, 0)): 4 * b * h * d * the
+number of visible (query, key) pairs."""
+import argparse
+import contextlib
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -14,32 +34,82 @@ def time_ms(fn, reps=20, warmup=5):
     return _bench_time_ms(fn, reps, warmup)
 
 
+# name -> env for a call with this mask (a function where the variant depends on the mask).
 VARIANTS = {
     "auto": {},
-    "persist": {"FLASH_EXT_SM90_PERSISTENT": "1"},
+    "old": lambda mask: {"FLASH_EXT_SM90_TMA_STORE": "0",
+                         **({"FLASH_EXT_SM90_PERSISTENT": "0"} if mask != "full" else {})},
+    "tma_off": {"FLASH_EXT_SM90_TMA_STORE": "0"},
     "per_tile": {"FLASH_EXT_SM90_PERSISTENT": "0"},
+    "persist": {"FLASH_EXT_SM90_PERSISTENT": "1"},
     "nopp": {"FLASH_EXT_SM90_PINGPONG": "0"},
 }
-print(f"{'config':28s} " + " ".join(f"{k:>9s}" for k in VARIANTS) + f" {'cudnn':>9s}")
-for d in (64, 128, 256):
-    for s in (1024, 4096, 16384):
-        for causal in (False, True):
-            b, h = 16384 // s, 2048 // d
-            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            flops = 4 * b * h * s * s * d / (2 if causal else 1)
-            row = []
-            for name, env in VARIANTS.items():
-                if "n176" in name and d != 128:
-                    row.append("-")
-                    continue
-                os.environ.update(env)
-                ms = time_ms(lambda: flash_ext.attn_fwd(q, k, v, causal=causal))
-                for key in env:
-                    os.environ.pop(key)
-                row.append(f"{flops / ms / 1e9:.1f}")
-            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-            row.append(f"{flops / ms / 1e9:.1f}")
-            print(f"d={d:<3d} s={s:<5d} {'causal' if causal else 'full':6s}        " +
-                  " ".join(f"{x:>9s}" for x in row), flush=True)
+MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
+
+
+@contextlib.contextmanager
+def env(values):
+    """Sets environment variables for a block, then restores them (also ones set before)."""
+    prev = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in prev.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="auto,old,tma_off,per_tile")
+    ap.add_argument("--hdims", type=ints, default=[64, 128, 256])
+    ap.add_argument("--seqlens", type=ints, default=[1024, 4096, 16384])
+    ap.add_argument("--masks", default="full,causal")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-cudnn", action="store_true")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    masks = args.masks.split(",")
+    cols = names + ([] if args.no_cudnn else ["cudnn"])
+    print(f"{'config':24s} " + " ".join(f"{k:>9s}" for k in cols), flush=True)
+    for d in args.hdims:
+        for s in args.seqlens:
+            for mask in masks:
+                b, h = max(1, 16384 // s), 2048 // d
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                if mask == "local":
+                    w = MASK_KW["local"]["window_size"][0]
+                    flops = 4 * b * h * d * sum(min(i + 1, w + 1) for i in range(s))
+                else:
+                    flops = 4 * b * h * s * s * d / (1 if mask == "full" else 2)
+                kw = MASK_KW[mask]
+                times = {n: [] for n in names}
+                for _ in range(args.rounds):
+                    for n in names:
+                        variant = VARIANTS[n]
+                        with env(variant(mask) if callable(variant) else variant):
+                            times[n].append(time_ms(lambda: flash_ext.attn_fwd(q, k, v, **kw)))
+                row = [f"{flops / statistics.median(times[n]) / 1e9:.1f}" for n in names]
+                if not args.no_cudnn:
+                    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                    if mask == "local":
+                        row.append("-")  # SDPA has no sliding window without a dense mask
+                    else:
+                        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                            ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=mask == "causal"))
+                        row.append(f"{flops / ms / 1e9:.1f}")
+                print(f"d={d:<3d} s={s:<5d} {mask:6s}      " + " ".join(f"{x:>9s}" for x in row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,9 @@
 // S = Q K^T (wgmma, both operands in shared memory), the mask and the online softmax in
 // registers, then O += P V (wgmma with P from registers), releasing each stage as soon as the
 // GEMM that read it has completed. setmaxnreg hands the producer's registers to the consumers.
+// Epilogue: O through shared memory and a TMA store (d <= 192, fixed-length batches), else from
+// registers. Tiles: a static walk, or (persistent grid under a causal/local mask) claimed from a
+// global counter by the producer thread and handed to the consumers through shared memory.
 #pragma once
 // wgmma tile widths such as 176 are behind this switch in CuTe; it must precede every CuTe include.
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -36,15 +39,21 @@ struct FwdArgs {
   using TensorStride = cute::Stride<int64_t, _1, int64_t, int64_t>;
   using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
                                        TensorShape{}, TensorStride{}));
+  using GTensorO = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                        TensorShape{}, TensorStride{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, typename Traits::SmemLayoutQ{},
                                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{},
                                        take<0, 2>(typename Traits::SmemLayoutKV{}),
                                        Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
+  // One consumer warpgroup's 64 rows of O; built on the host only when p.sm90_tma_store_o.
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorO{}, typename Traits::SmemLayoutO{},
+                                     Shape<_64, Int<Traits::kHeadDim>>{}, _1{}));
   FwdParams p;
   TmaQ tma_q;
   TmaKV tma_k, tma_v;
-  TensorShape shape_q, shape_k;
+  TmaO tma_o;
+  TensorShape shape_q, shape_k;  // O has q's shape
 };
 
 // Issues one warpgroup GEMM (all k-slices) as one wgmma batch, without waiting for it.
@@ -73,9 +82,16 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Tile scheduler. A tile is (query block, head, batch); a CTA walks tiles blockIdx.x,
-// + gridDim.x, ... With a persistent grid (one CTA per SM) a CTA's next tile's loads overlap its
-// current tile's epilogue; with one CTA per tile the hardware balances uneven tiles.
+// Tile scheduler. A tile is (query block, head, batch). With a persistent grid (one CTA per SM)
+// a CTA's next tile's loads overlap its current tile's epilogue.
+// Static walk: a CTA takes tiles blockIdx.x, + gridDim.x, ...: the persistent grid without a
+// mask (equal tiles), and one CTA per tile (the hardware balances uneven tiles).
+// Dynamic (persistent grid under a causal/local mask, p.tile_counter set): a CTA's first tile is
+// blockIdx.x; then its producer thread claims gridDim.x + atomicAdd(tile_counter, 1) (the counter
+// starts at 0, so every tile is taken exactly once and each CTA's last claim is >= num_tiles)
+// and passes each tile, and the final out-of-range index, to the consumers through a 2-slot ring
+// in shared memory. A static round-robin over uneven causal tiles lost 30-40%
+// (docs/perf-notes.md): claiming balances them as the hardware does for one CTA per tile.
 // Order: without a mask, consecutive tiles are the query blocks of one (head, batch), so CTAs
 // running together share that head's K/V in L2. Under a causal/local mask tiles are ordered
 // longest first over all heads (query block descending), so the short tiles fill the tail.
@@ -99,9 +115,65 @@ struct TileScheduler {
   }
 };
 
+// Helpers of the forward kernel only (bwd_kernel.cuh includes this file: keep its namespace clean).
+namespace fwd_detail {
+
+// Makes this thread's generic-proxy shared-memory writes visible to the async proxy (the TMA
+// store that reads them). As cutlass::arch::fence_view_async_shared, plus a "memory" clobber so
+// the compiler cannot sink the preceding st.shared below the fence.
+__device__ __forceinline__ void fence_smem_for_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// An opaque copy of v (the compiler cannot see through it nor move it out of a loop). Values
+// derived from it are computed where they are used instead of being hoisted out of the tile loop
+// and kept live (or spilled) across the main loop.
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
+// Shared-memory accesses as volatile asm with a memory clobber: the tile ring's slot accesses stay
+// between the mbarrier operations (CUTLASS's barrier asm has no memory clobber) that order them,
+// and the O tile's stores stay before the proxy fence.
+__device__ __forceinline__ void st_shared_b32(uint32_t smem_addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_shared_b32(uint32_t smem_addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr) : "memory");
+  return v;
+}
+
+// The dynamic scheduler's ring (SharedStorage::tile_slot, tile_full, tile_empty): the k-th tile
+// index a CTA walks goes through slot k % 2. The producer thread waits until every consumer
+// thread has read the slot's previous index; consumers wait for the producer's arrival.
+template <typename Storage>
+__device__ __forceinline__ void tile_ring_push(Storage& ss, int k, int t) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  const int slot = k & 1;
+  if (k >= 2) Barrier::wait(&ss.tile_empty[slot], ((k >> 1) - 1) & 1);
+  st_shared_b32(cute::cast_smem_ptr_to_uint(&ss.tile_slot[slot]), uint32_t(t));
+  Barrier::arrive(&ss.tile_full[slot]);  // release: the slot write is visible to the waiters
+}
+template <typename Storage>
+__device__ __forceinline__ int tile_ring_pop(Storage& ss, int k) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  const int slot = k & 1;
+  Barrier::wait(&ss.tile_full[slot], (k >> 1) & 1);
+  // Every lane reads the same index; redux.sync makes that visible to the compiler (a uniform
+  // register, as for blockIdx-derived tile indices).
+  const int t = __reduce_max_sync(0xffffffffu, int(ld_shared_b32(cute::cast_smem_ptr_to_uint(&ss.tile_slot[slot]))));
+  Barrier::arrive(&ss.tile_empty[slot]);
+  return t;
+}
+
+}  // namespace fwd_detail
+
 template <typename Traits, bool kHasWindow>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace fwd_detail;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -116,6 +188,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const TileScheduler scheduler((p.seqlen_q + kBlockM - 1) / kBlockM, p.heads_q, p.batch, kHasWindow);
   const int warp_group = threadIdx.x / 128;  // 0: producer
   const bool varlen = p.cu_seqlens_q != nullptr;
+  // Tiles claimed from p.tile_counter (only under a mask; the launch sets it for a persistent grid).
+  const bool dynamic = kHasWindow && p.tile_counter != nullptr;
+  // O through shared memory and a TMA store; varlen keeps the register epilogue (a 64-row box
+  // would write into the next sequence's rows), and so does d = 256 (no room: kernel_traits.h).
+  const bool tma_store_o = Traits::kHasSmemO && p.sm90_tma_store_o && !varlen;
 
   // Barriers: Q full (TMA) and Q empty (consumers done with a tile's Q); K and V each have a
   // full/empty ring that runs on across tiles.
@@ -123,8 +200,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    if (tma_store_o) cute::prefetch_tma_descriptor(args.tma_o.get_tma_descriptor());
     Barrier::init(&ss.barrier_q, 1);
     Barrier::init(&ss.barrier_q_empty, Traits::kMmaThreads);
+    if (dynamic) {
+      for (int slot = 0; slot < 2; ++slot) {
+        Barrier::init(&ss.tile_full[slot], 1);
+        Barrier::init(&ss.tile_empty[slot], Traits::kMmaThreads);
+      }
+    }
   }
   typename Pipeline::Params pipe_params;
   pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
@@ -154,10 +238,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
-    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    // K and V of a key block go to the same stage of their rings: one state serves both (the
+    // producer runs at 24 registers).
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
     int q_loads = 0;
-    for (int t = blockIdx.x; t < scheduler.num_tiles; t += gridDim.x) {
+    // Dynamic: the next tile is claimed once the current tile's loads are issued. The atomic's
+    // round trip (~0.5 us) hides under the wait for a free K/V stage, which the producer, kStages
+    // blocks ahead of the consumers, would spend anyway. redux.sync (a no-op over one lane) puts
+    // the claimed index in a uniform register, so the tile decode and TMA coordinates stay on
+    // the uniform datapath as blockIdx-derived ones do; from a plain register they spilled
+    // (228 bytes at 24 registers, inside the K/V loop).
+    int tiles_pushed = 0;
+    auto next_tile = [&](int t) {
+      if (!dynamic) return t + int(gridDim.x);
+      t = __reduce_max_sync(1u, int(gridDim.x) + atomicAdd(p.tile_counter, 1));
+      tile_ring_push(ss, tiles_pushed++, t);  // the final, out-of-range index tells consumers to stop
+      return t;
+    };
+    if (dynamic) tile_ring_push(ss, tiles_pushed++, int(blockIdx.x));
+    for (int t = blockIdx.x; t < scheduler.num_tiles; t = next_tile(t)) {
       int m_block, head, batch, n_min = 0, n_max = 0;
       scheduler.tile(t, m_block, head, batch);
       SeqInfo seq(p, batch);
@@ -181,23 +280,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
 
       // K of the first block goes out before waiting for the previous tile's Q to be released.
       int n_block = n_max - 1;
-      pipeline_k.producer_acquire(write_k);
-      copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
-      ++write_k;
+      pipeline_k.producer_acquire(write);
+      copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
       if (q_loads > 0) Barrier::wait(&ss.barrier_q_empty, (q_loads - 1) & 1);
       Barrier::arrive_and_expect_tx(&ss.barrier_q, Traits::kTmaBytesQ);
       copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);
       ++q_loads;
-      pipeline_v.producer_acquire(write_v);
-      copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
-      ++write_v;
+      pipeline_v.producer_acquire(write);
+      copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
+      ++write;
       for (--n_block; n_block >= n_min; --n_block) {
-        pipeline_k.producer_acquire(write_k);
-        copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
-        ++write_k;
-        pipeline_v.producer_acquire(write_v);
-        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
-        ++write_v;
+        pipeline_k.producer_acquire(write);
+        copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+        pipeline_v.producer_acquire(write);
+        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
+        ++write;
       }
     }
     return;
@@ -231,9 +328,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   auto turn_begin = [&]() { if (pingpong) named_barrier_sync(1 + consumer_wg, 256); };
   auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (1 - consumer_wg), 256); };
 
+  // TMA-store epilogue: each warpgroup stages its 64 rows of O in its own shared-memory tile and
+  // its first thread issues the store; named barrier 3 + w syncs warpgroup w's 128 threads.
+  const bool o_store_leader = mma_tid % 128 == 0;
+  const int o_barrier = 3 + consumer_wg;
+  bool o_store_pending = false;  // this warpgroup's previous store may still read its tile
+
+  int tiles_popped = 0;
+  auto next_tile = [&](int t) { return dynamic ? tile_ring_pop(ss, tiles_popped++) : t + int(gridDim.x); };
   PipelineState read_k, read_v;
   int q_loads = 0;
-  for (int t = blockIdx.x; t < scheduler.num_tiles; t += gridDim.x) {
+  for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
+       t = next_tile(t)) {
     int m_block, head, batch, n_min = 0, n_max = 0;
     scheduler.tile(t, m_block, head, batch);
     SeqInfo seq(p, batch);
@@ -317,15 +423,66 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     float lse[kRows];
     softmax.finalize(o_rows, scale_log2, lse);
     const int64_t q_row0 = int64_t(m_block) * kBlockM;
-    Element* o_tile = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride + q_row0 * p.o_row_stride;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
-      const int row = get<0>(cO(i)), col = get<1>(cO(i));
-      if (row < rows_q && col < p.head_dim) {
-        cutlass::Array<Element, 2> pair;
-        pair[0] = Element(acc_o(i));
-        pair[1] = Element(acc_o(i + 1));
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(o_tile + row * p.o_row_stride + col) = pair;
+    bool o_stored = false;
+    if constexpr (Traits::kHasSmemO) {
+      if (tma_store_o) {
+        using SmemLayoutO = typename Traits::SmemLayoutO;
+        if (o_store_pending) {  // the previous tile's store must have read sO before it is rewritten
+          if (o_store_leader) tma_store_wait<0>();
+          named_barrier_sync(o_barrier, 128);
+        }
+        // Coordinates and shared-memory addresses from an opaque thread index: computed from
+        // mma_tid they are loop-invariant, and the compiler kept all of them live across the main
+        // loop (300-560 bytes of spills at d = 128).
+        const int tid = opaque(mma_tid);
+        const int wg = tid / 128;
+        Tensor cO_wg = mma_pv.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+        // 32-bit shared addresses with the tile's swizzle applied to the byte address, as the TMA
+        // unit and CuTe's swizzled smem pointers do (a CuTe smem tensor here compiled to generic
+        // 64-bit ST.E stores). The tiles are 1024-byte aligned, so the swizzle phase matches.
+        constexpr auto swizzle_o = get_swizzle_portion(SmemLayoutO{});
+        constexpr auto layout_o = get_nonswizzle_portion(SmemLayoutO{});
+        const uint32_t o_base = cute::cast_smem_ptr_to_uint(ss.o.o.data()) +
+                                uint32_t(wg * cosize_v<SmemLayoutO> * int(sizeof(Element)));
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
+          const int row = get<0>(cO_wg(i)) - 64 * wg, col = get<1>(cO_wg(i));
+          cutlass::Array<Element, 2> pair;
+          pair[0] = Element(acc_o(i));
+          pair[1] = Element(acc_o(i + 1));
+          uint32_t packed;
+          static_assert(sizeof(pair) == sizeof(packed));
+          memcpy(&packed, &pair, sizeof(packed));
+          st_shared_b32(swizzle_o(o_base + uint32_t(layout_o(row, col)) * uint32_t(sizeof(Element))), packed);
+        }
+        fence_smem_for_async_proxy();
+        named_barrier_sync(o_barrier, 128);
+        if (o_store_leader) {
+          // The tensor map has O's real extents: rows >= seqlen_q and columns >= head_dim are
+          // clipped by the TMA unit.
+          Tensor sO = make_tensor(make_smem_ptr(ss.o.o.data() + wg * cosize_v<SmemLayoutO>), SmemLayoutO{});
+          Tensor mO = args.tma_o.get_tma_tensor(args.shape_q)(_, _, head, batch);
+          Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{},
+                                 make_coord(m_block * Traits::kConsumerWGs + wg, _0{}));
+          auto [tOgO, tOsO] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+          copy(args.tma_o, tOsO, tOgO);
+          tma_store_arrive();
+        }
+        o_store_pending = true;
+        o_stored = true;
+      }
+    }
+    if (!o_stored) {
+      Element* o_tile = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride + q_row0 * p.o_row_stride;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
+        const int row = get<0>(cO(i)), col = get<1>(cO(i));
+        if (row < rows_q && col < p.head_dim) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = Element(acc_o(i));
+          pair[1] = Element(acc_o(i + 1));
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(o_tile + row * p.o_row_stride + col) = pair;
+        }
       }
     }
     if (get<1>(cO_rows(0, 0)) == 0) {
@@ -337,6 +494,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       }
     }
   }
+  // Shared memory must outlive the last store's reads of it.
+  if (o_store_pending && o_store_leader) tma_store_wait<0>();
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 

@@ -35,15 +35,31 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                              take<0, 2>(typename Traits::SmemLayoutKV{}),
                              Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
+  // O through shared memory and a TMA store (FLASH_EXT_SM90_TMA_STORE, default on) where the O
+  // tile fits in shared memory (d <= 192), the batch is not varlen (a box would cross into the
+  // next sequence) and the tensor map can describe out (as tma_compatible checks q, k, v).
+  const bool o_tma_ok = p.o_row_stride > 0 && (p.heads_q == 1 || p.o_head_stride > 0) &&
+                        (p.batch == 1 || p.o_batch_stride > 0);
+  args.p.sm90_tma_store_o = Traits::kHasSmemO && p.sm90_tma_store_o && !varlen && o_tma_ok;
+  if (args.p.sm90_tma_store_o) {
+    // Built on O's real shape (q's): the store clips rows >= seqlen_q and columns >= head_dim.
+    auto g_o = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), args.shape_q,
+                           make_stride(p.o_row_stride, _1{}, p.o_head_stride, p.o_batch_stride));
+    args.tma_o = make_tma_copy(SM90_TMA_STORE{}, g_o, typename Traits::SmemLayoutO{},
+                               Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
+  }
 
   auto kernel = &fwd_kernel<Traits, kHasWindow>;
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  // Persistent (one CTA per SM) by default without a mask; one CTA per tile under causal/local
-  // masks, whose uneven tiles the hardware scheduler balances better than a static round-robin
-  // (docs/perf-notes.md). p.sm90_persistent: -1 auto, 0 off, 1 on.
+  // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
+  // mask CTAs walk the tiles with a static stride; under a causal/local mask, whose tiles differ
+  // in length, they claim tiles from p.tile_counter (a zeroed int32 that flash_api.cpp allocates
+  // for this case; a static round-robin lost 30-40%: docs/perf-notes.md). Without a counter a
+  // masked call runs one CTA per tile, where the hardware balances.
   const int64_t tiles = int64_t((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM) * p.heads_q * p.batch;
-  const bool persistent = p.sm90_persistent == 1 || (p.sm90_persistent == -1 && !kHasWindow);
+  const bool persistent = p.sm90_persistent != 0 && (!kHasWindow || p.tile_counter != nullptr);
+  args.p.tile_counter = kHasWindow && persistent ? p.tile_counter : nullptr;
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);

@@ -45,19 +45,46 @@ struct FwdTraits {
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                           Step<_2, _1, _3>{})));
 
+  // O tile of one consumer warpgroup (64 rows), staged in shared memory for the TMA store; the
+  // same swizzled atom as Q, so the 64 x kHeadDim box matches the tensor map like Q's does.
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtom{}, Shape<_64, Int<kHeadDim>>{}));
+
+  // The epilogue goes through shared memory (a TMA store) only where a separate O buffer fits
+  // beside Q and the K/V rings: d <= 192. At d = 256 Q + K + V take 192 KB and O would need 64 KB
+  // more; reusing Q's buffer would hold back the next tile's Q load until the store has read it,
+  // so d = 256 keeps the register epilogue (docs/kernels-sm90.md).
+  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr int kSmemQKVBytes = (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutKV>) * int(sizeof(Element));
+  static constexpr int kSmemOBytes = kConsumerWGs * cosize_v<SmemLayoutO> * int(sizeof(Element));
+  static constexpr bool kHasSmemO = kSmemQKVBytes + kSmemOBytes + 1024 <= kSmemLimit;  // + barriers
+
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;
+
+  template <bool kHas, int = 0>
+  struct OStorage {
+    alignas(1024) cute::array_aligned<Element, kConsumerWGs * cosize_v<SmemLayoutO>> o;
+  };
+  template <int kDummy>
+  struct OStorage<false, kDummy> {};
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+    OStorage<kHasSmemO> o;  // one SmemLayoutO tile per consumer warpgroup
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
     uint64_t barrier_q;
     uint64_t barrier_q_empty;
+    // Dynamic tile scheduler: the producer thread hands claimed tile indices to the consumers
+    // through this 2-slot ring (full: the producer's arrival; empty: every consumer thread's).
+    int tile_slot[2];
+    uint64_t tile_full[2];
+    uint64_t tile_empty[2];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory over the 227 KB an sm90 CTA may use");
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 };
