@@ -239,6 +239,8 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.sm90_persistent = persistent ? (std::string(persistent) == "0" ? 0 : 1) : -1;
   const char* tma_store = std::getenv("FLASH_EXT_SM90_TMA_STORE");
   p.sm90_tma_store_o = !(tma_store && std::string(tma_store) == "0");
+  const char* fwd_tile = std::getenv("FLASH_EXT_SM90_FWD_TILE");
+  p.sm90_alt_tile = fwd_tile && std::string(fwd_tile) == "alt";
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

@@ -13,6 +13,7 @@ Variants (environment variables read by flash_api.cpp at each call):
   per_tile  FLASH_EXT_SM90_PERSISTENT=0 (one CTA per tile), epilogue as auto
   persist   FLASH_EXT_SM90_PERSISTENT=1 (= auto since the dynamic scheduler)
   nopp      FLASH_EXT_SM90_PINGPONG=0
+  alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
 The variants of one row are timed in turns, --rounds times, and each reports its median over the
 rounds, so that clock and thermal drift hit all of them alike (run-to-run spread is ~3%).
 TFLOP/s: 4 * b * h * s^2 * d, halved for causal; local (window (512, 0)): 4 * b * h * d * the
@@ -43,6 +44,7 @@ VARIANTS = {
     "per_tile": {"FLASH_EXT_SM90_PERSISTENT": "0"},
     "persist": {"FLASH_EXT_SM90_PERSISTENT": "1"},
     "nopp": {"FLASH_EXT_SM90_PINGPONG": "0"},
+    "alt_tile": {"FLASH_EXT_SM90_FWD_TILE": "alt"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -323,15 +323,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // Ping-pong (two consumer warpgroups): a warpgroup issues its GEMMs only in its turn and then
   // hands the turn over, so one warpgroup's softmax runs under the other's GEMMs. Turns are
   // named barriers: warpgroup w syncs on barrier 1 + w; the other arrives on it.
-  const bool pingpong = Traits::kConsumerWGs == 2 && p.sm90_pingpong;
+  // With three consumer warpgroups (d = 64's 192-row tile) the turn goes round: 0 -> 1 -> 2 -> 0.
+  constexpr int kWGs = Traits::kConsumerWGs;
+  const bool pingpong = kWGs >= 2 && p.sm90_pingpong;
   const int consumer_wg = warp_group - 1;
   auto turn_begin = [&]() { if (pingpong) named_barrier_sync(1 + consumer_wg, 256); };
-  auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (1 - consumer_wg), 256); };
+  auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (consumer_wg + 1) % kWGs, 256); };
 
   // TMA-store epilogue: each warpgroup stages its 64 rows of O in its own shared-memory tile and
-  // its first thread issues the store; named barrier 3 + w syncs warpgroup w's 128 threads.
+  // its first thread issues the store; named barrier 1 + kWGs + w (after the ping-pong turns)
+  // syncs warpgroup w's 128 threads.
   const bool o_store_leader = mma_tid % 128 == 0;
-  const int o_barrier = 3 + consumer_wg;
+  const int o_barrier = 1 + kWGs + consumer_wg;
   bool o_store_pending = false;  // this warpgroup's previous store may still read its tile
 
   int tiles_popped = 0;
@@ -358,7 +361,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
     // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
     if (n_min < n_max) {
-      if (pingpong && consumer_wg == 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
+      if (pingpong && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
       Barrier::wait(&ss.barrier_q, q_loads & 1);
       Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
       Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));

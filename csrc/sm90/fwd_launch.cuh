@@ -83,11 +83,23 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
   using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
   using sm90::FwdTraits;
   // (head dim, kBlockM, kBlockN, stages): see docs/kernels-sm90.md for the budget.
+  // p.sm90_alt_tile (FLASH_EXT_SM90_FWD_TILE=alt, for A/B runs): d = 64 on 192 x 128 tiles
+  // (three consumer warpgroups), d = 256 on 128 x 80.
   if constexpr (kHeadDim <= 64) {
-    sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
+    if (p.sm90_alt_tile) {
+      sm90::launch_fwd<FwdTraits<kHeadDim, 192, 128, 2, Element>>(p, stream);
+    } else {
+      sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
+    }
   } else if constexpr (kHeadDim <= 128) {
     // 128 x 176 was measured too (docs/perf-notes.md): no clear win, so 128 x 128.
     sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
+  } else if constexpr (kHeadDim == 256) {
+    if (p.sm90_alt_tile) {
+      sm90::launch_fwd<FwdTraits<kHeadDim, 128, 80, 2, Element>>(p, stream);
+    } else {
+      sm90::launch_fwd<FwdTraits<kHeadDim, 128, 64, 2, Element>>(p, stream);
+    }
   } else {
     sm90::launch_fwd<FwdTraits<kHeadDim, 128, 64, 2, Element>>(p, stream);
   }
