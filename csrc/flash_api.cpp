@@ -240,9 +240,9 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   const char* tma_store = std::getenv("FLASH_EXT_SM90_TMA_STORE");
   p.sm90_tma_store_o = !(tma_store && std::string(tma_store) == "0");
   const std::string fwd_tile = std::getenv("FLASH_EXT_SM90_FWD_TILE") ? std::getenv("FLASH_EXT_SM90_FWD_TILE") : "";
-  FLASH_EXT_CHECK(fwd_tile.empty() || fwd_tile == "auto" || fwd_tile == "base" || fwd_tile == "alt" || fwd_tile == "alt3",
-                  "flash_ext: FLASH_EXT_SM90_FWD_TILE must be auto, base, alt or alt3; got '", fwd_tile, "'");
-  p.sm90_fwd_tile = fwd_tile == "base" ? 0 : fwd_tile == "alt" ? 1 : fwd_tile == "alt3" ? 2 : -1;
+  FLASH_EXT_CHECK(fwd_tile.empty() || fwd_tile == "auto" || fwd_tile == "base" || fwd_tile == "alt",
+                  "flash_ext: FLASH_EXT_SM90_FWD_TILE must be auto, base or alt; got '", fwd_tile, "'");
+  p.sm90_fwd_tile = fwd_tile == "base" ? 0 : fwd_tile == "alt" ? 1 : -1;
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

@@ -63,9 +63,9 @@ struct FwdParams {
   // Hopper kernel: O through shared memory and a TMA store (head dims <= 192, not varlen; else
   // from registers). On by default; FLASH_EXT_SM90_TMA_STORE=0 turns it off.
   bool sm90_tma_store_o;
-  // Hopper kernel tile of head dims 64 and 256 (sm90/fwd_launch.cuh): -1 auto, 0 base, 1 alt
-  // (d = 64: 192 x 128, d = 256: 128 x 80), 2 alt3 (d = 64: 192 x 128 with 3 K/V stages).
-  // FLASH_EXT_SM90_FWD_TILE=base|alt|alt3 forces one (for A/B runs and tests).
+  // Hopper kernel tile of head dims 64 and 256 (sm90/fwd_launch.cuh): -1 auto, 0 base
+  // (d = 64: 128 x 128, d = 256: 128 x 64), 1 alt (d = 64: 192 x 128, d = 256: 128 x 80).
+  // FLASH_EXT_SM90_FWD_TILE=base|alt forces one (for A/B runs and tests).
   int sm90_fwd_tile;
   // Hopper kernel, persistent grid under a causal/local mask: a zero-initialised int32 on the
   // device from which CTAs claim tiles (flash_api.cpp allocates it per call); nullptr otherwise.

@@ -377,9 +377,9 @@ def test_sm90_switches(case, fwd_path, monkeypatch, record_property):
                                                                   record_property, label))
 
 
-# The alternative tiles forced (FLASH_EXT_SM90_FWD_TILE=alt / alt3) at every seqlen: d <= 64 on
-# 192 x 128 (three consumer warpgroups, the ping-pong turn going round; alt3 with 3 K/V stages),
-# d = 256 on 128 x 80 (key blocks not a power of 2). Auto picks them only from s = 1k / 2k on.
+# Both tiles of d <= 64 and d = 256 forced (FLASH_EXT_SM90_FWD_TILE=alt / base) at every seqlen:
+# alt is d <= 64 on 192 x 128 (three consumer warpgroups, the ping-pong turn going round) and
+# d = 256 on 128 x 80 (key blocks not a power of 2); auto picks alt from s = 1k / 2k on.
 SM90_ALT_TILE_CASES = [c for c in SM90_SWITCH_CASES if c[6] in (64, 256)] + [
     (torch.float16, 2, 1000, 1000, 12, 12, 64, dict()),
     (torch.bfloat16, 3, 193, 450, 8, 2, 48, dict(causal=True)),   # d = 48 in the 64 kernel; 1 + partial block
@@ -390,7 +390,7 @@ SM90_ALT_TILE_CASES = [c for c in SM90_SWITCH_CASES if c[6] in (64, 256)] + [
 
 @pytest.mark.parametrize("case", SM90_ALT_TILE_CASES,
                          ids=lambda c: f"{dname(c[0])}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{c[7]}")
-@pytest.mark.parametrize("tile", ["alt", "alt3"])
+@pytest.mark.parametrize("tile", ["alt", "base"])
 def test_sm90_alt_tiles(case, tile, fwd_path, monkeypatch, record_property):
     _sm90_or_skip(fwd_path)
     monkeypatch.setenv("FLASH_EXT_SM90_FWD_TILE", tile)
@@ -401,6 +401,13 @@ def test_sm90_alt_tiles(case, tile, fwd_path, monkeypatch, record_property):
     _each_sm90_switch(monkeypatch, lambda: flash_ext.attn_fwd(q, k, v, **kw),
                       lambda out, lse, label: assert_close_to_ref(out, lse, ref, ref_lse, pt,
                                                                   record_property, f"{tile} tile {label}"))
+
+
+def test_sm90_tile_switch_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("FLASH_EXT_SM90_FWD_TILE", "huge")
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"):
+        flash_ext.attn_fwd(q, q, q)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(64, 16))], ids=str)

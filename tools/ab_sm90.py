@@ -15,7 +15,6 @@ Variants (environment variables read by flash_api.cpp at each call):
   nopp      FLASH_EXT_SM90_PINGPONG=0
   base      FLASH_EXT_SM90_FWD_TILE=base (d = 64: 128 x 128 tiles, d = 256: 128 x 64)
   alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
-  alt3      FLASH_EXT_SM90_FWD_TILE=alt3 (d = 64: 192 x 128 tiles and 3 K/V stages)
   alt_nopp  alt_tile without ping-pong
 The variants of one row are timed in turns, --rounds times, and each reports its median over the
 rounds, so that clock and thermal drift hit all of them alike (run-to-run spread is ~3%).
@@ -49,7 +48,6 @@ VARIANTS = {
     "nopp": {"FLASH_EXT_SM90_PINGPONG": "0"},
     "base": {"FLASH_EXT_SM90_FWD_TILE": "base"},
     "alt_tile": {"FLASH_EXT_SM90_FWD_TILE": "alt"},
-    "alt3": {"FLASH_EXT_SM90_FWD_TILE": "alt3"},
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}

@@ -83,17 +83,15 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
   using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
   using sm90::FwdTraits;
   // (head dim, kBlockM, kBlockN, stages): see docs/kernels-sm90.md for the budget.
-  // d = 64 and d = 256 have two tiles each; FLASH_EXT_SM90_FWD_TILE=base|alt|alt3 forces one
-  // (p.sm90_fwd_tile 0 / 1 / 2; -1 auto). The larger tiles (d = 64: 192 x 128, three consumer
-  // warpgroups; d = 256: 128 x 80) are 5-14% faster from s = 2k on (docs/perf-notes.md), but a
+  // d = 64 and d = 256 have two tiles each; FLASH_EXT_SM90_FWD_TILE=base|alt forces one
+  // (p.sm90_fwd_tile 0 / 1; -1 auto). The larger tiles (d = 64: 192 x 128, three consumer
+  // warpgroups; d = 256: 128 x 80) are 3-14% faster from s = 2k on (docs/perf-notes.md), but a
   // 192-row tile pads a 1k causal row block by 2/3 of its longest tile: auto takes them for
   // seqlen_q >= 2k, and at 1k without a mask.
   const bool alt = p.sm90_fwd_tile > 0 ||
                    (p.sm90_fwd_tile < 0 && (p.seqlen_q >= 2048 || (!p.has_window && p.seqlen_q >= 1024)));
   if constexpr (kHeadDim <= 64) {
-    if (p.sm90_fwd_tile == 2) {
-      sm90::launch_fwd<FwdTraits<kHeadDim, 192, 128, 3, Element>>(p, stream);
-    } else if (alt) {
+    if (alt) {
       sm90::launch_fwd<FwdTraits<kHeadDim, 192, 128, 2, Element>>(p, stream);
     } else {
       sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
