@@ -300,11 +300,13 @@ void launch(FwdParams& p, const at::Tensor& q) {
   // The Hopper kernel's persistent grid under a causal/local mask claims tiles from a counter
   // that starts at zero on every call (sm90/fwd_kernel.cuh, TileScheduler). Allocated on the
   // current stream: when it is freed below, the caching allocator hands it out again only to
-  // work ordered after this launch.
+  // work ordered after this launch. Zeroed with cudaMemsetAsync: at::zeros' fill costs ~50 us of
+  // host time per call (docs/bench/h200-2026-11-22-host-overhead.txt).
   at::Tensor tile_counter;
   if (p.has_window && p.sm90_persistent != 0 && choose_fwd_path(p, q.get_device()) == FwdPath::kSm90) {
-    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    tile_counter = at::empty({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
+    C10_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream));
   }
   run_fwd(p, q.get_device(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -157,10 +157,16 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
 
     if needs_grad:
-        # The differentiable path: flash_ext::attn records `deterministic` for the backward and
-        # handles the calls with nothing to launch itself.
-        o, lse = ops._attn(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args,
-                           bool(deterministic), dropout_p, rng_state)
+        # The differentiable path. The C++ fwd op carries its own autograd formula (with
+        # deterministic=False); flash_ext::attn, a Python custom op around it, records
+        # `deterministic` for the backward and handles the calls with nothing to launch. The
+        # extra layer costs ~100 us of host time per call (docs/perf-notes.md), so it is taken
+        # only where it is needed.
+        if not deterministic and not ops._nothing_to_do(q, k, varlen, mq, mk):
+            o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p, rng_state)
+        else:
+            o, lse = ops._attn(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args,
+                               bool(deterministic), dropout_p, rng_state)
         return (o[..., :d] if d_pad != d else o), lse
 
     if out is not None and d_pad == d and _is_aligned(out):

@@ -29,7 +29,8 @@ This module adds, in Python:
   It runs ``fwd`` (or, for calls with no query row or no key, makes the trivial result without a
   launch) and exists so that the backward's ``deterministic`` flag, which the forward kernel
   does not need, is an argument of the op the autograd graph records. flash_ext.attn_fwd calls
-  it whenever a gradient may be needed, and ``fwd`` itself otherwise (one dispatch less);
+  it when a gradient may be needed and the call is deterministic or has nothing to launch, and
+  ``fwd`` itself otherwise (this Python custom-op layer costs ~100 us of host time per call);
 - the autograd formula of ``flash_ext::attn`` and of ``flash_ext::fwd`` (which then uses
   deterministic=False): save q, k, v, out, lse (and rng_state); the backward calls
   ``flash_ext::bwd`` with the same dropout_p and rng_state.
@@ -180,6 +181,9 @@ def _setup_context(ctx, inputs, output, deterministic: bool, dropout_p: float, r
      window_left, window_right, softcap) = inputs[:12]
     out, lse = output
     ctx.mark_non_differentiable(lse)
+    # lse gets no gradient: without this autograd would fill a zero tensor for it (and for an
+    # out that does not reach the loss) on every backward; _grads handles None.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state)
     ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                 softcap, deterministic, float(dropout_p))
