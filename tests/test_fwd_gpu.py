@@ -364,17 +364,25 @@ SM90_SWITCH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SM90_SWITCH_CASES,
-                         ids=lambda c: f"{dname(c[0])}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{c[7]}")
-def test_sm90_switches(case, fwd_path, monkeypatch, record_property):
-    _sm90_or_skip(fwd_path)
+def _case_id(c):
+    return f"{dname(c[0])}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{c[7]}"
+
+
+def _check_case_under_switches(case, monkeypatch, record_property, prefix=""):
+    """One SM90_SWITCH_CASES-style case against the reference under every switch combination."""
     dtype, b, sq, sk, hq, hkv, d, kw = case
     q, k, v = rand_qkv(b, sq, sk, hq, hkv, d, dtype)
     ref, ref_lse = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, upcast=False, **kw)
     _each_sm90_switch(monkeypatch, lambda: flash_ext.attn_fwd(q, k, v, **kw),
                       lambda out, lse, label: assert_close_to_ref(out, lse, ref, ref_lse, pt,
-                                                                  record_property, label))
+                                                                  record_property, prefix + label))
+
+
+@pytest.mark.parametrize("case", SM90_SWITCH_CASES, ids=_case_id)
+def test_sm90_switches(case, fwd_path, monkeypatch, record_property):
+    _sm90_or_skip(fwd_path)
+    _check_case_under_switches(case, monkeypatch, record_property)
 
 
 # Both tiles of d <= 64 and d = 256 forced (FLASH_EXT_SM90_FWD_TILE=alt / base) at every seqlen:
@@ -388,19 +396,12 @@ SM90_ALT_TILE_CASES = [c for c in SM90_SWITCH_CASES if c[6] in (64, 256)] + [
 ]
 
 
-@pytest.mark.parametrize("case", SM90_ALT_TILE_CASES,
-                         ids=lambda c: f"{dname(c[0])}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{c[7]}")
+@pytest.mark.parametrize("case", SM90_ALT_TILE_CASES, ids=_case_id)
 @pytest.mark.parametrize("tile", ["alt", "base"])
 def test_sm90_alt_tiles(case, tile, fwd_path, monkeypatch, record_property):
     _sm90_or_skip(fwd_path)
     monkeypatch.setenv("FLASH_EXT_SM90_FWD_TILE", tile)
-    dtype, b, sq, sk, hq, hkv, d, kw = case
-    q, k, v = rand_qkv(b, sq, sk, hq, hkv, d, dtype)
-    ref, ref_lse = attention_ref(q, k, v, **kw)
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    _each_sm90_switch(monkeypatch, lambda: flash_ext.attn_fwd(q, k, v, **kw),
-                      lambda out, lse, label: assert_close_to_ref(out, lse, ref, ref_lse, pt,
-                                                                  record_property, f"{tile} tile {label}"))
+    _check_case_under_switches(case, monkeypatch, record_property, prefix=f"{tile} tile ")
 
 
 def test_sm90_tile_switch_rejects_unknown_values(monkeypatch):

@@ -21,7 +21,6 @@ rounds, so that clock and thermal drift hit all of them alike (run-to-run spread
 TFLOP/s: 4 * b * h * s^2 * d, halved for causal; local (window (512, 0)): 4 * b * h * d * the
 number of visible (query, key) pairs."""
 import argparse
-import contextlib
 import os
 import statistics
 
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext
+from flash_ext.bench import _env
 from flash_ext.bench import time_ms as _bench_time_ms
 
 
@@ -51,21 +51,6 @@ VARIANTS = {
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
-
-
-@contextlib.contextmanager
-def env(values):
-    """Sets environment variables for a block, then restores them (also ones set before)."""
-    prev = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in prev.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
 
 
 def ints(text):
@@ -103,7 +88,7 @@ def main():
                 for _ in range(args.rounds):
                     for n in names:
                         variant = VARIANTS[n]
-                        with env(variant(mask) if callable(variant) else variant):
+                        with _env(**(variant(mask) if callable(variant) else variant)):
                             times[n].append(time_ms(lambda: flash_ext.attn_fwd(q, k, v, **kw)))
                 row = [f"{flops / statistics.median(times[n]) / 1e9:.1f}" for n in names]
                 if not args.no_cudnn:
