@@ -22,6 +22,20 @@ def fake_mode():
     return FakeTensorMode()
 
 
+@pytest.fixture
+def meta_ok(monkeypatch):
+    """Let the Python layer accept meta tensors (it requires CUDA tensors otherwise)."""
+    from flash_ext import _validation as V
+    orig = V.check_devices
+    monkeypatch.setattr(V, "check_devices",
+                        lambda tensors, require_cuda=True: orig(tensors, require_cuda=False))
+
+
+def meta(*shape, dtype=torch.bfloat16, requires_grad=False):
+    """An empty tensor on the meta device (shapes and dtypes only)."""
+    return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+
+
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
     yield

@@ -15,22 +15,12 @@ import flash_ext
 from flash_ext import _validation as V
 from flash_ext._validation import DeviceError
 
+from conftest import meta
+
 BWD_ARGS = ("Tensor dout", "Tensor q", "Tensor k", "Tensor v", "Tensor out", "Tensor lse",
             "Tensor? cu_seqlens_q", "Tensor? cu_seqlens_k", "int max_seqlen_q",
             "int max_seqlen_k", "float softmax_scale", "bool causal", "int window_left",
             "int window_right", "float softcap", "bool deterministic")
-
-
-@pytest.fixture
-def meta_ok(monkeypatch):
-    """Let the Python layer accept meta tensors (it requires CUDA tensors otherwise)."""
-    orig = V.check_devices
-    monkeypatch.setattr(V, "check_devices",
-                        lambda tensors, require_cuda=True: orig(tensors, require_cuda=False))
-
-
-def meta(*shape, dtype=torch.bfloat16, requires_grad=False):
-    return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=requires_grad)
 
 
 # ---------------------------------------------------------------------------------------------

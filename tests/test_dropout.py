@@ -12,6 +12,8 @@ import flash_ext
 from flash_ext import _philox
 from flash_ext import _validation as V
 
+from conftest import meta
+
 # Random123's kat_vectors (tests/kat_vectors in the Random123 distribution): name, rounds,
 # counter (4 words), key (2 words), expected output (4 words).
 KAT = """
@@ -160,17 +162,6 @@ def test_rng_state_checks():
     with pytest.raises(ValueError, match="rng_state"):
         V.check_dropout(0.1, None, need_rng_state=True)
     V.check_dropout(0.0, None, need_rng_state=True)
-
-
-@pytest.fixture
-def meta_ok(monkeypatch):
-    orig = V.check_devices
-    monkeypatch.setattr(V, "check_devices",
-                        lambda tensors, require_cuda=True: orig(tensors, require_cuda=False))
-
-
-def meta(*shape, dtype=torch.bfloat16, requires_grad=False):
-    return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=requires_grad)
 
 
 @pytest.mark.parametrize("p", [-0.5, 1.01])
