@@ -233,8 +233,10 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.window_right = int(window_right);
   p.has_window = window_left >= 0 || window_right >= 0;
   set_dropout_params(p, dropout_p, rng_state);
-  const char* pingpong = std::getenv("FLASH_EXT_SM90_PINGPONG");
-  p.sm90_pingpong = !(pingpong && std::string(pingpong) == "0");
+  const std::string pingpong = std::getenv("FLASH_EXT_SM90_PINGPONG") ? std::getenv("FLASH_EXT_SM90_PINGPONG") : "";
+  FLASH_EXT_CHECK(pingpong.empty() || pingpong == "0" || pingpong == "1" || pingpong == "tile",
+                  "flash_ext: FLASH_EXT_SM90_PINGPONG must be 0, 1 or tile; got '", pingpong, "'");
+  p.sm90_pingpong = pingpong == "0" ? 0 : pingpong == "tile" ? 2 : 1;
   const char* persistent = std::getenv("FLASH_EXT_SM90_PERSISTENT");
   p.sm90_persistent = persistent ? (std::string(persistent) == "0" ? 0 : 1) : -1;
   const char* tma_store = std::getenv("FLASH_EXT_SM90_TMA_STORE");
@@ -243,6 +245,10 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   FLASH_EXT_CHECK(fwd_tile.empty() || fwd_tile == "auto" || fwd_tile == "base" || fwd_tile == "alt",
                   "flash_ext: FLASH_EXT_SM90_FWD_TILE must be auto, base or alt; got '", fwd_tile, "'");
   p.sm90_fwd_tile = fwd_tile == "base" ? 0 : fwd_tile == "alt" ? 1 : -1;
+  const std::string lazy_rescale = std::getenv("FLASH_EXT_SM90_LAZY_RESCALE") ? std::getenv("FLASH_EXT_SM90_LAZY_RESCALE") : "";
+  FLASH_EXT_CHECK(lazy_rescale.empty() || lazy_rescale == "0" || lazy_rescale == "1",
+                  "flash_ext: FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1; got '", lazy_rescale, "'");
+  p.sm90_lazy_rescale = lazy_rescale != "0";
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

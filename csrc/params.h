@@ -53,9 +53,10 @@ struct FwdParams {
   uint32_t dropout_threshold;
   uint64_t dropout_seed, dropout_offset;
 
-  // Hopper kernel: order the two consumer warpgroups' GEMMs (ping-pong). On by default;
-  // FLASH_EXT_SM90_PINGPONG=0 turns it off (for measurements).
-  bool sm90_pingpong;
+  // Hopper kernel: order the consumer warpgroups' GEMMs (ping-pong). 1 (default): on, the turns
+  // carry on across tiles; 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every tile;
+  // 0 (FLASH_EXT_SM90_PINGPONG=0): off. For measurements.
+  int sm90_pingpong;
   // Hopper kernel grid: -1 auto (= 1), 0 one CTA per tile, 1 persistent (static stride without a
   // mask; under a causal/local mask CTAs claim tiles from tile_counter).
   // FLASH_EXT_SM90_PERSISTENT=0/1 forces it (for measurements and tests).
@@ -67,6 +68,9 @@ struct FwdParams {
   // (d = 64: 128 x 128, d = 256: 128 x 64), 1 alt (d = 64: 192 x 128, d = 256: 128 x 80).
   // FLASH_EXT_SM90_FWD_TILE=base|alt forces one (for A/B runs and tests).
   int sm90_fwd_tile;
+  // Hopper kernel: lazy rescaling of the output (common/softmax.h). On by default;
+  // FLASH_EXT_SM90_LAZY_RESCALE=0 rescales whenever a row's max grows (for measurements).
+  bool sm90_lazy_rescale;
   // Hopper kernel, persistent grid under a causal/local mask: a zero-initialised int32 on the
   // device from which CTAs claim tiles (flash_api.cpp allocates it per call); nullptr otherwise.
   int* tile_counter;

@@ -20,7 +20,10 @@ Directions (--directions, default all three):
 
 Metric: FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * headdim (two matmuls), halved for
 causal, times 1 (fwd), 2.5 (bwd: five matmuls) or 3.5 (fwdbwd); TFLOP/s = FLOPs / median time.
-Times: CUDA events around each call, after warmup, median of --reps calls. The L2 cache is not
+Times: CUDA events around each call, after warmup, median of --reps calls; that is one round, and
+a config runs --rounds rounds (3; 1 with --quick), each timing every backend in turn, and keeps
+each backend's median round, so that clock and power drift during a config hit all backends
+alike instead of whichever ran last. The L2 cache is not
 flushed between calls: every config moves at least 3 x 64 MiB of q, k, v, several times the L2,
 so a warm cache changes little.
 
@@ -247,6 +250,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
     p.add_argument("--reps", type=int, default=None, help="timed calls per backend (median)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds per config, backends timed in turn in each (median round; "
+                        "default 3, 1 with --quick)")
     p.add_argument("--out", default="bench_out", help="directory for the JSON and PNG")
     args = p.parse_args(argv)
     if args.dtypes is None:
@@ -259,8 +265,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.reps = 10 if args.quick else 30
     if args.warmup is None:
         args.warmup = 3 if args.quick else 10
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     args.causal_modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     return args
 
@@ -384,28 +394,38 @@ def extra_memory_mib(fn: Callable[[], object]) -> float:
     return extra / 2**20
 
 
-def run_config(cfg: Config, reps: int, warmup: int, device="cuda") -> Row:
+def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cuda") -> Row:
+    """Times every backend on one config: ``rounds`` rounds, each backend in turn in each round
+    (median of ``reps`` calls after ``warmup``), and keeps each backend's median round."""
     torch.manual_seed(0)
     dtype = DTYPES[cfg.dtype]
     shape = (cfg.batch, cfg.seqlen, cfg.heads, cfg.headdim)
     q, k, v = (torch.randn(shape, dtype=dtype, device=device) for _ in range(3))
     row = Row(cfg.name, cfg.dtype, cfg.headdim, cfg.seqlen, cfg.batch, cfg.heads, cfg.causal,
               cfg.direction)
+    fns: dict[str, Callable[[], object]] = {}
+    times: dict[str, list[float]] = {name: [] for name in BACKEND_NAMES}
+    for _ in range(rounds):
+        for name in BACKEND_NAMES:
+            if name in row.errors:
+                continue
+            try:
+                if name not in fns:
+                    fns[name] = make_backend_fn(name, cfg.direction, q, k, v, cfg.causal)
+                times[name].append(time_ms(fns[name], reps, warmup))
+            except Exception as e:  # a peer (or flash_ext) rejecting a shape is data, not a crash
+                row.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                fns.pop(name, None)
+                torch.cuda.synchronize()
     for name in BACKEND_NAMES:
-        try:
-            fn = make_backend_fn(name, cfg.direction, q, k, v, cfg.causal)
-            ms = time_ms(fn, reps, warmup)
-            row.ms[name] = ms
-            row.tflops[name] = tflops_per_s(cfg.flops, ms)
-            if name == "flash_ext":
-                row.extra_mib = extra_memory_mib(fn)
-        except Exception as e:  # a peer (or flash_ext) rejecting a shape is data, not a crash
-            row.ms[name] = None
-            row.tflops[name] = None
-            row.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            torch.cuda.synchronize()
-        fn = None  # free this backend's out / saved tensors before the next one
-    del q, k, v
+        ms = statistics.median(times[name]) if name not in row.errors and times[name] else None
+        row.ms[name] = ms
+        row.tflops[name] = tflops_per_s(cfg.flops, ms)
+    if "flash_ext" in fns:
+        fl = fns.pop("flash_ext")
+        fns.clear()  # free the peers' outputs and saved tensors before measuring the workspace
+        row.extra_mib = extra_memory_mib(fl)
+    del fns, q, k, v
     return row
 
 
@@ -476,10 +496,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configs = make_configs(args.dtypes, args.hdims, args.seqlens, args.causal_modes,
                            args.directions)
     print(f"{len(configs)} configs on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"median of {args.reps} calls after {args.warmup} warmup")
+          f"median of {args.reps} calls after {args.warmup} warmup, median of {args.rounds} "
+          f"round(s) of every backend in turn")
     rows = []
     for cfg in configs:
-        row = run_config(cfg, args.reps, args.warmup)
+        row = run_config(cfg, args.reps, args.warmup, args.rounds)
         rows.append(row)
         print(f"  {cfg.name}: " + ", ".join(f"{n} {_fmt(row.tflops.get(n))}" for n in BACKEND_NAMES),
               flush=True)

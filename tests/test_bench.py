@@ -59,6 +59,10 @@ def test_parse_args_quick_and_lists():
     assert a.causal_modes == [True] and a.reps == 7 and a.out == "x"
     a = bench.parse_args([])
     assert a.dtypes == ["bf16", "fp16"] and a.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    assert a.rounds == 3 and bench.parse_args(["--quick"]).rounds == 1
+    assert bench.parse_args(["--quick", "--rounds", "5"]).rounds == 5
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
     assert a.directions == ["fwd", "bwd", "fwdbwd"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--dtypes", "fp32"])

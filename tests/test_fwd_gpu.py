@@ -316,11 +316,15 @@ def test_varlen_cuda_graph_capture():
 
 # ---------------------------------------------------------------------------------------------
 # Hopper kernel switches: O epilogue (TMA store / registers) x grid (persistent, where masked
-# calls claim tiles from a counter / one CTA per tile)
+# calls claim tiles from a counter / one CTA per tile), and the ping-pong modes (turns carried
+# across tiles / re-synchronised per tile / off)
 # ---------------------------------------------------------------------------------------------
 
-# (FLASH_EXT_SM90_TMA_STORE, FLASH_EXT_SM90_PERSISTENT), each value read by flash_api.cpp per call.
-SM90_SWITCHES = [(tma, grid) for tma in ("0", "1") for grid in ("0", "1")]
+# (FLASH_EXT_SM90_TMA_STORE, FLASH_EXT_SM90_PERSISTENT, FLASH_EXT_SM90_PINGPONG), each value read
+# by flash_api.cpp per call: every epilogue x grid pair with the default ping-pong, then the other
+# two ping-pong modes on the persistent grid (where a CTA's turns run on over several tiles).
+SM90_SWITCHES = [(tma, grid, "1") for tma in ("0", "1") for grid in ("0", "1")] + [
+    ("1", "1", "tile"), ("0", "1", "0")]
 
 
 def _sm90_or_skip(fwd_path):
@@ -335,10 +339,11 @@ def _each_sm90_switch(monkeypatch, run, check):
     all of them to be bitwise equal (the switches change where O goes and which CTA computes a
     tile, never the arithmetic). monkeypatch restores the environment afterwards."""
     first = None
-    for tma, grid in SM90_SWITCHES:
+    for tma, grid, pingpong in SM90_SWITCHES:
         monkeypatch.setenv("FLASH_EXT_SM90_TMA_STORE", tma)
         monkeypatch.setenv("FLASH_EXT_SM90_PERSISTENT", grid)
-        label = f"TMA_STORE={tma} PERSISTENT={grid}"
+        monkeypatch.setenv("FLASH_EXT_SM90_PINGPONG", pingpong)
+        label = f"TMA_STORE={tma} PERSISTENT={grid} PINGPONG={pingpong}"
         out, lse = run()
         check(out, lse, label)
         if first is None:
@@ -404,10 +409,35 @@ def test_sm90_alt_tiles(case, tile, fwd_path, monkeypatch, record_property):
     _check_case_under_switches(case, monkeypatch, record_property, prefix=f"{tile} tile ")
 
 
-def test_sm90_tile_switch_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv("FLASH_EXT_SM90_FWD_TILE", "huge")
+# Lazy rescaling (common/softmax.h): a row keeps a stale max while new blocks exceed it by at most
+# 2^8. Keys scaled by a ramp, largest at key 0, which the kernel visits last (it walks key blocks
+# from the end), so every row's max grows block after block: by less than the slack per block and
+# far past it overall (about 20 in log2 units), with both settings of the switch.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dname)
+@pytest.mark.parametrize("lazy", ["1", "0"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_rescale_with_growing_max(dtype, lazy, causal, fwd_path, monkeypatch, record_property):
+    _sm90_or_skip(fwd_path)
+    monkeypatch.setenv("FLASH_EXT_SM90_LAZY_RESCALE", lazy)
+    b, s, h, d = 2, 1000, 4, 128
+    q, k, v = rand_qkv(b, s, s, h, h, d, dtype)
+    ramp = torch.linspace(4.0, 0.1, s, device=k.device)[None, :, None, None]
+    k = (k.float() * ramp).to(dtype)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    pt, _ = attention_ref(q, k, v, upcast=False, causal=causal)
+    out, lse = flash_ext.attn_fwd(q, k, v, causal=causal)
+    assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"LAZY_RESCALE={lazy}")
+
+
+@pytest.mark.parametrize("var,value,message", [
+    ("FLASH_EXT_SM90_FWD_TILE", "huge", "FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"),
+    ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1 or tile"),
+    ("FLASH_EXT_SM90_LAZY_RESCALE", "yes", "FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1"),
+])
+def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):
+    monkeypatch.setenv(var, value)
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"):
+    with pytest.raises(RuntimeError, match=message):
         flash_ext.attn_fwd(q, q, q)
 
 

@@ -13,11 +13,13 @@ Variants (environment variables read by flash_api.cpp at each call):
   per_tile  FLASH_EXT_SM90_PERSISTENT=0 (one CTA per tile), epilogue as auto
   persist   FLASH_EXT_SM90_PERSISTENT=1 (= auto since the dynamic scheduler)
   nopp      FLASH_EXT_SM90_PINGPONG=0
+  pp_tile   FLASH_EXT_SM90_PINGPONG=tile (turns re-synchronised at every tile, as before 2026-11-22)
+  eager     FLASH_EXT_SM90_LAZY_RESCALE=0 (O rescaled whenever a row's max grows)
   base      FLASH_EXT_SM90_FWD_TILE=base (d = 64: 128 x 128 tiles, d = 256: 128 x 64)
   alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
   alt_nopp  alt_tile without ping-pong
-The variants of one row are timed in turns, --rounds times, and each reports its median over the
-rounds, so that clock and thermal drift hit all of them alike (run-to-run spread is ~3%).
+The variants of one row, and cuDNN after them, are timed in turns, --rounds times, and each
+reports its median over the rounds, so that clock and thermal drift hit all of them alike (run-to-run spread is ~3%).
 TFLOP/s: 4 * b * h * s^2 * d, halved for causal; local (window (512, 0)): 4 * b * h * d * the
 number of visible (query, key) pairs."""
 import argparse
@@ -46,6 +48,8 @@ VARIANTS = {
     "per_tile": {"FLASH_EXT_SM90_PERSISTENT": "0"},
     "persist": {"FLASH_EXT_SM90_PERSISTENT": "1"},
     "nopp": {"FLASH_EXT_SM90_PINGPONG": "0"},
+    "pp_tile": {"FLASH_EXT_SM90_PINGPONG": "tile"},
+    "eager": {"FLASH_EXT_SM90_LAZY_RESCALE": "0"},
     "base": {"FLASH_EXT_SM90_FWD_TILE": "base"},
     "alt_tile": {"FLASH_EXT_SM90_FWD_TILE": "alt"},
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
@@ -84,21 +88,23 @@ def main():
                 else:
                     flops = 4 * b * h * s * s * d / (1 if mask == "full" else 2)
                 kw = MASK_KW[mask]
-                times = {n: [] for n in names}
+                # cuDNN is timed in the same rounds, after the variants (SDPA has no sliding
+                # window without a dense mask: "-" for local).
+                cudnn = not args.no_cudnn and mask != "local"
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                times = {n: [] for n in names + ["cudnn"]}
                 for _ in range(args.rounds):
                     for n in names:
                         variant = VARIANTS[n]
                         with _env(**(variant(mask) if callable(variant) else variant)):
                             times[n].append(time_ms(lambda: flash_ext.attn_fwd(q, k, v, **kw)))
+                    if cudnn:
+                        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                            times["cudnn"].append(time_ms(
+                                lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=mask == "causal")))
                 row = [f"{flops / statistics.median(times[n]) / 1e9:.1f}" for n in names]
                 if not args.no_cudnn:
-                    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-                    if mask == "local":
-                        row.append("-")  # SDPA has no sliding window without a dense mask
-                    else:
-                        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                            ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=mask == "causal"))
-                        row.append(f"{flops / ms / 1e9:.1f}")
+                    row.append(f"{flops / statistics.median(times['cudnn']) / 1e9:.1f}" if cudnn else "-")
                 print(f"d={d:<3d} s={s:<5d} {mask:6s}      " + " ".join(f"{x:>9s}" for x in row), flush=True)
 
 

@@ -1,6 +1,11 @@
 """A few forward calls for compute-sanitizer (memcheck, racecheck, synccheck):
 
-    compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90]
+    compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90] [tiles]
+
+tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CTAs run several
+tiles: the Q slabs, the O tile, the tile ring and the ping-pong turns are reused across tiles),
+on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried and per-tile
+ping-pong, causal (claimed tiles) and not (static stride).
 """
 import os
 import sys
@@ -12,6 +17,22 @@ import flash_ext
 os.environ["FLASH_EXT_FWD_PATH"] = sys.argv[1] if len(sys.argv) > 1 else "sm90"
 torch.manual_seed(0)
 dt = torch.bfloat16
+if len(sys.argv) > 2 and sys.argv[2] == "tiles":
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for tile in ("alt", "base"):
+        os.environ["FLASH_EXT_SM90_FWD_TILE"] = tile
+        for pingpong in ("1", "tile"):
+            os.environ["FLASH_EXT_SM90_PINGPONG"] = pingpong
+            for d in (64, 128, 256):
+                s = 700  # 4-6 query blocks per head, the last one partial
+                h = (sms + 3) // 4 + 1
+                q = torch.randn(1, s, h, d, device="cuda", dtype=dt)
+                for causal in (False, True):
+                    out, _ = flash_ext.attn_fwd(q, q, q, causal=causal)
+                    assert torch.isfinite(out).all(), (tile, pingpong, d, causal)
+    torch.cuda.synchronize()
+    print("sanitize_fwd tiles done")
+    sys.exit(0)
 for d, sq, sk, hq, hkv, causal in [(128, 200, 200, 2, 2, False), (64, 131, 257, 4, 1, True),
                                    (256, 64, 100, 2, 1, False)]:
     q = torch.randn(1, sq, hq, d, device="cuda", dtype=dt)

@@ -6,6 +6,13 @@
 // Exponentials are exp2 with log2(e) folded into the scale: exp(x * scale) = exp2(x * scale_log2),
 // so each probability costs one FFMA and one EX2.
 // Rows whose keys are all masked keep m = -inf; they produce l = 0, output 0 and lse = -inf.
+//
+// Lazy rescaling (kLazy, the Hopper kernel; FlashAttention-4 does the same): m may be any value
+// that the scores exceed by at most a small margin, not necessarily their max, as long as l, the
+// output and lse all use the same m. So a row keeps its old m while a new block's max exceeds it
+// by at most slack_log2 (in log2 units: probabilities up to 2^slack_log2, harmless in fp32 and
+// in the bf16/fp16 P operand), its correction is then 1, and a warp whose rows all have
+// correction 1 skips the output rescale (kHeadDim / 2 multiplies per thread per key block).
 #pragma once
 #include <cmath>
 #include "common/fragment.h"
@@ -21,8 +28,9 @@ struct OnlineSoftmax {
   // and turns scores into the unnormalized probabilities exp2(s * scale_log2 - m * scale_log2).
   // correction[r] = exp(m_old - m_new) is the factor the output accumulator must be scaled by;
   // the caller applies it (rescale) when the accumulator is not in use by an in-flight GEMM.
-  template <bool kFirstBlock, typename TensorS>
-  __device__ __forceinline__ void update_scores(TensorS& scores, float scale_log2, float (&correction)[kRows]) {
+  template <bool kFirstBlock, bool kLazy = false, typename TensorS>
+  __device__ __forceinline__ void update_scores(TensorS& scores, float scale_log2, float (&correction)[kRows],
+                                                float slack_log2 = 0.f) {
     using namespace cute;
     static_assert(decltype(size<0>(scores))::value == kRows);
     CUTE_UNROLL
@@ -31,6 +39,10 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c) m = fmaxf(m, scores(r, c));
       m = quad_max(m);
+      // Keep the old max while the new one is within the slack (false for an old max of -inf).
+      if constexpr (kLazy && !kFirstBlock) {
+        if ((m - row_max[r]) * scale_log2 <= slack_log2) m = row_max[r];
+      }
       // A fully masked row so far: subtract 0 instead of -inf so that exp2 gives 0, not NaN.
       const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
       correction[r] = kFirstBlock ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
@@ -54,6 +66,16 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= correction[r];
     }
+  }
+
+  // As rescale, skipped when every row of this warp has correction 1 (warp-uniform branch: the
+  // accumulator rows of a warp belong to its own threads).
+  template <typename TensorO>
+  __device__ __forceinline__ void rescale_if_needed(TensorO& acc_o, const float (&correction)[kRows]) {
+    bool needed = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) needed |= correction[r] != 1.f;
+    if (__any_sync(0xffffffffu, needed)) rescale(acc_o, correction);
   }
 
   // Both steps at once, for kernels whose output accumulator is idle during the softmax.

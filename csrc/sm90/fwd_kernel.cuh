@@ -41,8 +41,9 @@ struct FwdArgs {
                                        TensorShape{}, TensorStride{}));
   using GTensorO = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
                                         TensorShape{}, TensorStride{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, typename Traits::SmemLayoutQ{},
-                                      Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}));
+  // One consumer warpgroup's 64 rows of Q per load (SmemLayoutQSlab).
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, typename Traits::SmemLayoutQSlab{},
+                                      Shape<_64, Int<Traits::kHeadDim>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{},
                                        take<0, 2>(typename Traits::SmemLayoutKV{}),
                                        Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
@@ -201,8 +202,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     if (tma_store_o) cute::prefetch_tma_descriptor(args.tma_o.get_tma_descriptor());
-    Barrier::init(&ss.barrier_q, 1);
-    Barrier::init(&ss.barrier_q_empty, Traits::kMmaThreads);
+    for (int w = 0; w < Traits::kConsumerWGs; ++w) {
+      Barrier::init(&ss.barrier_q[w], 1);
+      Barrier::init(&ss.barrier_q_empty[w], 128);
+    }
     if (dynamic) {
       for (int slot = 0; slot < 2; ++slot) {
         Barrier::init(&ss.tile_full[slot], 1);
@@ -271,20 +274,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
                                 args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
       Tensor mV = domain_offset(make_coord(k_start, _0{}),
                                 args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
-      Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+      Tensor gQ = local_tile(mQ, Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (64, d, 64-row blocks)
       Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
       Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
       // K of the first block goes out before waiting for the previous tile's Q to be released.
+      // Then each warpgroup's 64 rows of Q, as soon as that warpgroup is done with its rows of
+      // the previous tile (warpgroup 0 finishes first: ping-pong runs it half a turn ahead).
       int n_block = n_max - 1;
       pipeline_k.producer_acquire(write);
       copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
-      if (q_loads > 0) Barrier::wait(&ss.barrier_q_empty, (q_loads - 1) & 1);
-      Barrier::arrive_and_expect_tx(&ss.barrier_q, Traits::kTmaBytesQ);
-      copy(args.tma_q.with(ss.barrier_q), tQgQ, tQsQ);
+      CUTE_UNROLL
+      for (int w = 0; w < Traits::kConsumerWGs; ++w) {
+        if (q_loads > 0) Barrier::wait(&ss.barrier_q_empty[w], (q_loads - 1) & 1);
+        Barrier::arrive_and_expect_tx(&ss.barrier_q[w], Traits::kTmaBytesQSlab);
+        Tensor sQw = make_tensor(make_smem_ptr(ss.q.data() + w * Traits::kQSlabElems), typename Traits::SmemLayoutQSlab{});
+        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQw), group_modes<0, 2>(gQ));
+        copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w), tQsQ);
+      }
       ++q_loads;
       pipeline_v.producer_acquire(write);
       copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
@@ -319,13 +328,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   constexpr int kRows = decltype(size<0>(o_rows))::value;
   const float scale_log2 = p.softmax_scale_log2;
   const bool use_softcap = p.softcap > 0.f;
+  // Lazy rescaling (common/softmax.h): a row's max moves only when a block's max exceeds it by
+  // more than 8 in log2 units (p.sm90_lazy_rescale; 0: whenever it grows).
+  const float rescale_slack_log2 = p.sm90_lazy_rescale ? 8.f : 0.f;
 
   // Ping-pong (two consumer warpgroups): a warpgroup issues its GEMMs only in its turn and then
   // hands the turn over, so one warpgroup's softmax runs under the other's GEMMs. Turns are
   // named barriers: warpgroup w syncs on barrier 1 + w; the other arrives on it.
   // With three consumer warpgroups (d = 64's 192-row tile) the turn goes round: 0 -> 1 -> 2 -> 0.
+  // Every warpgroup takes the same number of turns per tile (one per key block, plus one), so the
+  // rotation carries on across tiles (p.sm90_pingpong 1): warpgroup 0 issues the next tile's first
+  // S = Q K^T right after the last warpgroup's last P V, under that warpgroup's epilogue.
+  // p.sm90_pingpong 2 re-synchronises the warpgroups at every tile (turn 0 to warpgroup 0 after
+  // every warpgroup's epilogue: the behaviour before 2026-11-22), 0 turns ping-pong off.
   constexpr int kWGs = Traits::kConsumerWGs;
-  const bool pingpong = kWGs >= 2 && p.sm90_pingpong;
+  const bool pingpong = kWGs >= 2 && p.sm90_pingpong != 0;
+  const bool pp_carry = pingpong && p.sm90_pingpong == 1;
+  const bool pp_per_tile = pingpong && !pp_carry;
   const int consumer_wg = warp_group - 1;
   auto turn_begin = [&]() { if (pingpong) named_barrier_sync(1 + consumer_wg, 256); };
   auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (consumer_wg + 1) % kWGs, 256); };
@@ -341,6 +360,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   auto next_tile = [&](int t) { return dynamic ? tile_ring_pop(ss, tiles_popped++) : t + int(gridDim.x); };
   PipelineState read_k, read_v;
   int q_loads = 0;
+  if (pp_carry && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
   for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
        t = next_tile(t)) {
     int m_block, head, batch, n_min = 0, n_max = 0;
@@ -361,8 +381,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
     // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
     if (n_min < n_max) {
-      if (pingpong && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
-      Barrier::wait(&ss.barrier_q, q_loads & 1);
+      if (pp_per_tile && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
+      Barrier::wait(&ss.barrier_q[consumer_wg], q_loads & 1);
+      // This warpgroup's rows of Q are free for the next tile once its last S = Q K^T is done.
+      auto release_q_after = [&](int n) __attribute__((always_inline)) {
+        if (n == n_min) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
+      };
       Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
       Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
       float correction[kRows];
@@ -371,7 +395,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
         if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
-        softmax.template update_scores<decltype(is_first)::value>(scores, scale_log2, correction);
+        softmax.template update_scores<decltype(is_first)::value, true>(scores, scale_log2, correction, rescale_slack_log2);
       };
 
       int n_block = n_max - 1;
@@ -385,6 +409,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         warpgroup_fence_operand(acc_s);
         pipeline_k.consumer_release(read_k);
         ++read_k;
+        release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::true_type{});
         convert_into(rP, acc_s);
       }
@@ -400,16 +425,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         warpgroup_fence_operand(acc_s);
         pipeline_k.consumer_release(read_k);
         ++read_k;
+        release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::false_type{});
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
         pipeline_v.consumer_release(read_v);
         ++read_v;
-        softmax.rescale(o_rows, correction);
+        softmax.rescale_if_needed(o_rows, correction);
         convert_into(rP, acc_s);
       }
-      // Every read of this tile's Q is done: the producer may load the next tile's Q.
-      Barrier::arrive(&ss.barrier_q_empty);
       ++q_loads;
       pipeline_v.consumer_wait(read_v);
       turn_begin();
@@ -419,7 +443,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       warpgroup_fence_operand(acc_o);
       pipeline_v.consumer_release(read_v);
       ++read_v;
-      if (pingpong && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
+      if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
     }
 
     // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.
@@ -497,6 +521,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       }
     }
   }
+  if (pp_carry && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
   // Shared memory must outlive the last store's reads of it.
   if (o_store_pending && o_store_leader) tma_store_wait<0>();
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

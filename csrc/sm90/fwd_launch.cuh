@@ -28,7 +28,7 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
                        make_stride(row, _1{}, head, varlen ? int64_t(0) : batch));
   };
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.q, args.shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride),
-                             typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+                             typename Traits::SmemLayoutQSlab{}, Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.k, args.shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride),
                              take<0, 2>(typename Traits::SmemLayoutKV{}),
                              Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});

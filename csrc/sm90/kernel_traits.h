@@ -39,6 +39,14 @@ struct FwdTraits {
   using SmemAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
                                       GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // One consumer warpgroup's 64 rows of Q inside SmemLayoutQ (the TMA box of a Q load): each
+  // warpgroup's rows are loaded and released on their own barriers, so the next tile's rows of
+  // warpgroup 0 load while warpgroup 1 still reads its rows of the current tile.
+  using SmemLayoutQSlab = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<_64, Int<kHeadDim>>{}, Stride<_1, Int<kBlockM>>{})));
+  // Offset (elements) of warpgroup w's slab: 64 rows are 8 whole swizzle atoms along M, so the
+  // swizzle phase of every slab is the same.
+  static constexpr int kQSlabElems = 64 * decltype(size<1>(SmemAtom{}))::value;
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // V^T (head dim x keys x stages), the MN-major B operand of O += P V.
   using SmemLayoutVt = decltype(composition(
@@ -75,8 +83,8 @@ struct FwdTraits {
     OStorage<kHasSmemO> o;  // one SmemLayoutO tile per consumer warpgroup
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
-    uint64_t barrier_q;
-    uint64_t barrier_q_empty;
+    uint64_t barrier_q[kConsumerWGs];        // warpgroup w's Q rows loaded (TMA bytes)
+    uint64_t barrier_q_empty[kConsumerWGs];  // warpgroup w's 128 threads done with them
     // Dynamic tile scheduler: the producer thread hands claimed tile indices to the consumers
     // through this 2-slot ring (full: the producer's arrival; empty: every consumer thread's).
     int tile_slot[2];
@@ -85,7 +93,7 @@ struct FwdTraits {
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= kSmemLimit, "shared memory over the 227 KB an sm90 CTA may use");
-  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesQSlab = 64 * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 };
 
