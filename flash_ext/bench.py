@@ -21,9 +21,9 @@ Directions (--directions, default all three):
 Metric: FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * headdim (two matmuls), halved for
 causal, times 1 (fwd), 2.5 (bwd: five matmuls) or 3.5 (fwdbwd); TFLOP/s = FLOPs / median time.
 Times: CUDA events around each call, after warmup, median of --reps calls; that is one round, and
-a config runs --rounds rounds (3; 1 with --quick), each timing every backend in turn, and keeps
-each backend's median round, so that clock and power drift during a config hit all backends
-alike instead of whichever ran last. The L2 cache is not
+a config runs --rounds rounds (3; 1 with --quick), each timing every backend in turn (the order
+rotated from round to round), and keeps each backend's median round, so that clock and power
+drift during a config hit all backends alike instead of whichever ran last. The L2 cache is not
 flushed between calls: every config moves at least 3 x 64 MiB of q, k, v, several times the L2,
 so a warm cache changes little.
 
@@ -396,7 +396,8 @@ def extra_memory_mib(fn: Callable[[], object]) -> float:
 
 def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cuda") -> Row:
     """Times every backend on one config: ``rounds`` rounds, each backend in turn in each round
-    (median of ``reps`` calls after ``warmup``), and keeps each backend's median round."""
+    (in an order rotated from round to round; median of ``reps`` calls after ``warmup``), and
+    keeps each backend's median round."""
     torch.manual_seed(0)
     dtype = DTYPES[cfg.dtype]
     shape = (cfg.batch, cfg.seqlen, cfg.heads, cfg.headdim)
@@ -405,8 +406,9 @@ def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cud
               cfg.direction)
     fns: dict[str, Callable[[], object]] = {}
     times: dict[str, list[float]] = {name: [] for name in BACKEND_NAMES}
-    for _ in range(rounds):
-        for name in BACKEND_NAMES:
+    for r in range(rounds):
+        shift = r % len(BACKEND_NAMES)  # a different backend first in each round
+        for name in BACKEND_NAMES[shift:] + BACKEND_NAMES[:shift]:
             if name in row.errors:
                 continue
             try:

@@ -18,8 +18,9 @@ Variants (environment variables read by flash_api.cpp at each call):
   base      FLASH_EXT_SM90_FWD_TILE=base (d = 64: 128 x 128 tiles, d = 256: 128 x 64)
   alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
   alt_nopp  alt_tile without ping-pong
-The variants of one row, and cuDNN after them, are timed in turns, --rounds times, and each
-reports its median over the rounds, so that clock and thermal drift hit all of them alike (run-to-run spread is ~3%).
+The variants of one row and cuDNN are timed in turns, --rounds times, in an order rotated from
+round to round, and each reports its median over the rounds, so that clock and thermal drift
+hit all of them alike (cuDNN moved by up to 25% between runs: compare within one run).
 TFLOP/s: 4 * b * h * s^2 * d, halved for causal; local (window (512, 0)): 4 * b * h * d * the
 number of visible (query, key) pairs."""
 import argparse
@@ -93,15 +94,17 @@ def main():
                 cudnn = not args.no_cudnn and mask != "local"
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 times = {n: [] for n in names + ["cudnn"]}
-                for _ in range(args.rounds):
-                    for n in names:
+                order = names + (["cudnn"] if cudnn else [])
+                for r in range(args.rounds):
+                    for n in order[r % len(order):] + order[:r % len(order)]:  # rotated each round
+                        if n == "cudnn":
+                            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                                times[n].append(time_ms(
+                                    lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=mask == "causal")))
+                            continue
                         variant = VARIANTS[n]
                         with _env(**(variant(mask) if callable(variant) else variant)):
                             times[n].append(time_ms(lambda: flash_ext.attn_fwd(q, k, v, **kw)))
-                    if cudnn:
-                        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                            times["cudnn"].append(time_ms(
-                                lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=mask == "causal")))
                 row = [f"{flops / statistics.median(times[n]) / 1e9:.1f}" for n in names]
                 if not args.no_cudnn:
                     row.append(f"{flops / statistics.median(times['cudnn']) / 1e9:.1f}" if cudnn else "-")
