@@ -249,6 +249,11 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   FLASH_EXT_CHECK(lazy_rescale.empty() || lazy_rescale == "0" || lazy_rescale == "1",
                   "flash_ext: FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1; got '", lazy_rescale, "'");
   p.sm90_lazy_rescale = lazy_rescale != "0";
+  const std::string sections = std::getenv("FLASH_EXT_SM90_HEAD_SECTIONS") ? std::getenv("FLASH_EXT_SM90_HEAD_SECTIONS") : "";
+  FLASH_EXT_CHECK(sections.empty() || sections == "0" || sections == "1",
+                  "flash_ext: FLASH_EXT_SM90_HEAD_SECTIONS must be 0 or 1; got '", sections, "'");
+  p.sm90_head_sections = sections != "0";
+  p.sm90_section_hb = 0;  // set by the Hopper launch
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

@@ -71,6 +71,12 @@ struct FwdParams {
   // Hopper kernel: lazy rescaling of the output (common/softmax.h). On by default;
   // FLASH_EXT_SM90_LAZY_RESCALE=0 rescales whenever a row's max grows (for measurements).
   bool sm90_lazy_rescale;
+  // Hopper kernel under causal/local masks: longest-first tile order within sections of heads
+  // whose K/V fit in half the L2 (sm90/fwd_kernel.cuh TileScheduler). On by default;
+  // FLASH_EXT_SM90_HEAD_SECTIONS=0 orders longest first over all heads (for measurements).
+  bool sm90_head_sections;
+  // (head, batch) pairs per section, set by the launch from the above and the L2 size.
+  int sm90_section_hb;
   // Hopper kernel, persistent grid under a causal/local mask: a zero-initialised int32 on the
   // device from which CTAs claim tiles (flash_api.cpp allocates it per call); nullptr otherwise.
   int* tile_counter;

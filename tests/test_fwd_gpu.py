@@ -320,11 +320,13 @@ def test_varlen_cuda_graph_capture():
 # across tiles / re-synchronised per tile / off)
 # ---------------------------------------------------------------------------------------------
 
-# (FLASH_EXT_SM90_TMA_STORE, FLASH_EXT_SM90_PERSISTENT, FLASH_EXT_SM90_PINGPONG), each value read
-# by flash_api.cpp per call: every epilogue x grid pair with the default ping-pong, then the other
-# two ping-pong modes on the persistent grid (where a CTA's turns run on over several tiles).
-SM90_SWITCHES = [(tma, grid, "1") for tma in ("0", "1") for grid in ("0", "1")] + [
-    ("1", "1", "tile"), ("0", "1", "0")]
+# Environments of FLASH_EXT_SM90_* switches, each value read by flash_api.cpp per call: every
+# epilogue x grid pair with the defaults, then the other two ping-pong modes on the persistent
+# grid (where a CTA's turns run on over several tiles) and the causal tile order without head
+# sections (all heads in one section).
+SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
+    dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"), dict(HEAD_SECTIONS="0")]
+SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS")
 
 
 def _sm90_or_skip(fwd_path):
@@ -339,11 +341,13 @@ def _each_sm90_switch(monkeypatch, run, check):
     all of them to be bitwise equal (the switches change where O goes and which CTA computes a
     tile, never the arithmetic). monkeypatch restores the environment afterwards."""
     first = None
-    for tma, grid, pingpong in SM90_SWITCHES:
-        monkeypatch.setenv("FLASH_EXT_SM90_TMA_STORE", tma)
-        monkeypatch.setenv("FLASH_EXT_SM90_PERSISTENT", grid)
-        monkeypatch.setenv("FLASH_EXT_SM90_PINGPONG", pingpong)
-        label = f"TMA_STORE={tma} PERSISTENT={grid} PINGPONG={pingpong}"
+    for env in SM90_SWITCHES:
+        for name in SM90_SWITCH_NAMES:
+            if name in env:
+                monkeypatch.setenv(f"FLASH_EXT_SM90_{name}", env[name])
+            else:
+                monkeypatch.delenv(f"FLASH_EXT_SM90_{name}", raising=False)
+        label = " ".join(f"{k}={v}" for k, v in env.items())
         out, lse = run()
         check(out, lse, label)
         if first is None:
@@ -366,6 +370,8 @@ SM90_SWITCH_CASES = [
     (torch.bfloat16, 3, 300, 300, 16, 16, 96, dict(causal=True)),            # 64-byte swizzle
     (torch.bfloat16, 2, 1000, 1000, 8, 8, 80, dict(causal=True)),  # d = 80 in the 96 kernel
     (torch.float16, 2, 513, 700, 16, 16, 192, dict(window_size=(100, 0))),
+    # 2 MB of K/V per head: with a 50 MB L2 (H100, H200) the causal order runs in 3 head sections
+    (torch.bfloat16, 2, 2048, 2048, 16, 16, 256, dict(causal=True)),
 ]
 
 
@@ -433,6 +439,7 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, fwd_path, monkeypatc
     ("FLASH_EXT_SM90_FWD_TILE", "huge", "FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"),
     ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1 or tile"),
     ("FLASH_EXT_SM90_LAZY_RESCALE", "yes", "FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1"),
+    ("FLASH_EXT_SM90_HEAD_SECTIONS", "on", "FLASH_EXT_SM90_HEAD_SECTIONS must be 0 or 1"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):
     monkeypatch.setenv(var, value)

@@ -95,18 +95,27 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // (docs/perf-notes.md): claiming balances them as the hardware does for one CTA per tile.
 // Order: without a mask, consecutive tiles are the query blocks of one (head, batch), so CTAs
 // running together share that head's K/V in L2. Under a causal/local mask tiles are ordered
-// longest first over all heads (query block descending), so the short tiles fill the tail.
+// longest first (query block descending), so the short tiles fill the tail, within sections of
+// `section` (head, batch) pairs whose K/V fit in half the L2 (p.sm90_section_hb, set by the
+// launch): longest first over all heads had every CTA of a wave on a different head at s = 2k
+// (128 heads x 1 MB of K/V at d = 128, beyond the L2), so each K/V block came from HBM, ~5 TB/s
+// at the tensor cores' pace. Sections end on whole tiles; the last one may be smaller.
 struct TileScheduler {
-  int num_m_blocks, heads, num_tiles;
+  int num_m_blocks, heads, num_tiles, section;
   bool longest_first;
-  __device__ __forceinline__ TileScheduler(int m_blocks, int h, int b, bool masked)
-      : num_m_blocks(m_blocks), heads(h), num_tiles(m_blocks * h * b), longest_first(masked) {}
+  __device__ __forceinline__ TileScheduler(int m_blocks, int h, int b, bool masked, int section_hb)
+      : num_m_blocks(m_blocks), heads(h), num_tiles(m_blocks * h * b), section(section_hb),
+        longest_first(masked) {}
   __device__ __forceinline__ void tile(int t, int& m_block, int& head, int& batch) const {
     int hb;
     if (longest_first) {
       const int heads_batches = num_tiles / num_m_blocks;
-      m_block = num_m_blocks - 1 - t / heads_batches;
-      hb = t % heads_batches;
+      const int sec = t / (section * num_m_blocks);
+      const int first_hb = sec * section;
+      const int hb_count = min(section, heads_batches - first_hb);
+      const int r = t - first_hb * num_m_blocks;
+      m_block = num_m_blocks - 1 - r / hb_count;
+      hb = first_hb + r % hb_count;
     } else {
       hb = t / num_m_blocks;
       m_block = num_m_blocks - 1 - (t - hb * num_m_blocks);
@@ -186,7 +195,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const FwdParams& p = args.p;
-  const TileScheduler scheduler((p.seqlen_q + kBlockM - 1) / kBlockM, p.heads_q, p.batch, kHasWindow);
+  const TileScheduler scheduler((p.seqlen_q + kBlockM - 1) / kBlockM, p.heads_q, p.batch, kHasWindow,
+                                p.sm90_section_hb);
   const int warp_group = threadIdx.x / 128;  // 0: producer
   const bool varlen = p.cu_seqlens_q != nullptr;
   // Tiles claimed from p.tile_counter (only under a mask; the launch sets it for a persistent grid).

@@ -60,9 +60,20 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   const int64_t tiles = int64_t((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM) * p.heads_q * p.batch;
   const bool persistent = p.sm90_persistent != 0 && (!kHasWindow || p.tile_counter != nullptr);
   args.p.tile_counter = kHasWindow && persistent ? p.tile_counter : nullptr;
-  int device = 0, sms = 0;
+  int device = 0, sms = 0, l2_bytes = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  // Longest-first order under masks, in sections of (head, batch) pairs whose K/V fit in half
+  // the L2 (TileScheduler); query heads sharing a K/V head (GQA) count once. Without the
+  // sections (FLASH_EXT_SM90_HEAD_SECTIONS=0) one section holds every pair.
+  const int heads_batches = p.heads_q * p.batch;
+  args.p.sm90_section_hb = heads_batches;
+  if (kHasWindow && p.sm90_head_sections) {
+    cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
+    const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.seqlen_k) * p.head_dim * 2 * int64_t(sizeof(Element)));
+    const int64_t kv_heads = std::max<int64_t>(1, int64_t(l2_bytes / 2) / kv_head_bytes);
+    args.p.sm90_section_hb = int(std::min<int64_t>(heads_batches, kv_heads * (p.heads_q / p.heads_kv)));
+  }
   const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
