@@ -28,17 +28,23 @@ struct OnlineSoftmax {
   // and turns scores into the unnormalized probabilities exp2(s * scale_log2 - m * scale_log2).
   // correction[r] = exp(m_old - m_new) is the factor the output accumulator must be scaled by;
   // the caller applies it (rescale) when the accumulator is not in use by an in-flight GEMM.
-  template <bool kFirstBlock, bool kLazy = false, typename TensorS>
+  // kChains: independent max and sum chains per row (the Hopper kernel uses 4: a quarter of the
+  // dependent latency; the sm80 kernels keep 1, where more registers meant more spills).
+  template <bool kFirstBlock, bool kLazy = false, int kChains = 1, typename TensorS>
   __device__ __forceinline__ void update_scores(TensorS& scores, float scale_log2, float (&correction)[kRows],
                                                 float slack_log2 = 0.f) {
     using namespace cute;
     static_assert(decltype(size<0>(scores))::value == kRows);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = kFirstBlock ? -INFINITY : row_max[r];
+      float mx[kChains];
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(scores); ++c) m = fmaxf(m, scores(r, c));
-      m = quad_max(m);
+      for (int i = 0; i < kChains; ++i) mx[i] = i == 0 && !kFirstBlock ? row_max[r] : -INFINITY;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) mx[c % kChains] = fmaxf(mx[c % kChains], scores(r, c));
+      CUTE_UNROLL
+      for (int i = 1; i < kChains; ++i) mx[0] = fmaxf(mx[0], mx[i]);
+      float m = quad_max(mx[0]);
       // Keep the old max while the new one is within the slack (false for an old max of -inf).
       if constexpr (kLazy && !kFirstBlock) {
         if ((m - row_max[r]) * scale_log2 <= slack_log2) m = row_max[r];
@@ -47,13 +53,18 @@ struct OnlineSoftmax {
       const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
       correction[r] = kFirstBlock ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
       row_max[r] = m;
-      float sum = 0.f;
+      float sums[kChains];
+      CUTE_UNROLL
+      for (int i = 0; i < kChains; ++i) sums[i] = 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c) {
         const float p = exp2f(scores(r, c) * scale_log2 - m_scaled);
         scores(r, c) = p;
-        sum += p;
+        sums[c % kChains] += p;
       }
+      float sum = sums[0];
+      CUTE_UNROLL
+      for (int i = 1; i < kChains; ++i) sum += sums[i];
       row_sum[r] = kFirstBlock ? sum : row_sum[r] * correction[r] + sum;
     }
   }
@@ -68,14 +79,14 @@ struct OnlineSoftmax {
     }
   }
 
-  // As rescale, skipped when every row of this warp has correction 1 (warp-uniform branch: the
-  // accumulator rows of a warp belong to its own threads).
-  template <typename TensorO>
-  __device__ __forceinline__ void rescale_if_needed(TensorO& acc_o, const float (&correction)[kRows]) {
+  // Whether any row of this warp has a correction other than 1 (a warp-uniform answer: the
+  // accumulator rows of a warp belong to its own threads, so a warp whose rows all kept their
+  // max may skip the rescale).
+  __device__ __forceinline__ bool any_rescale(const float (&correction)[kRows]) const {
     bool needed = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) needed |= correction[r] != 1.f;
-    if (__any_sync(0xffffffffu, needed)) rescale(acc_o, correction);
+    return __any_sync(0xffffffffu, needed);
   }
 
   // Both steps at once, for kernels whose output accumulator is idle during the softmax.

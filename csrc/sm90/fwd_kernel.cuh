@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
         if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
-        softmax.template update_scores<decltype(is_first)::value, true>(scores, scale_log2, correction, rescale_slack_log2);
+        softmax.template update_scores<decltype(is_first)::value, true, 4>(scores, scale_log2, correction, rescale_slack_log2);
       };
 
       int n_block = n_max - 1;
@@ -437,11 +437,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         ++read_k;
         release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::false_type{});
+        // The wait for P V comes after the softmax in the source, but ptxas, which sees no
+        // dependency between them, hoisted it above the softmax (SASS: WARPGROUP.DEPBAR right
+        // after the row max), so the softmax ran after P V instead of under it. A wait inside a
+        // branch on the softmax's own result (a warp vote: does any row need its O rescaled?)
+        // stays below the softmax, and the unconditional wait after it stays below the branch.
+        if (softmax.any_rescale(correction)) {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_o);
+          softmax.rescale(o_rows, correction);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
         pipeline_v.consumer_release(read_v);
         ++read_v;
-        softmax.rescale_if_needed(o_rows, correction);
         convert_into(rP, acc_s);
       }
       ++q_loads;
