@@ -68,7 +68,11 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // sections (FLASH_EXT_SM90_HEAD_SECTIONS=0) one section holds every pair.
   const int heads_batches = p.heads_q * p.batch;
   args.p.sm90_section_hb = heads_batches;
-  if (kHasWindow && p.sm90_head_sections) {
+  // Only where the plain order leaves fewer than ~2 CTAs of a wave per head (heads x batch >=
+  // SMs / 2): with more, the CTAs of a head run neighbouring query blocks in step and re-read
+  // each K/V block within a block-time, which sections (~SMs / section CTAs per head, spread over
+  // as many query blocks) lost 4-8% against at s = 4k (docs/perf-notes.md).
+  if (kHasWindow && p.sm90_head_sections && 2 * heads_batches >= sms) {
     cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
     const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.seqlen_k) * p.head_dim * 2 * int64_t(sizeof(Element)));
     const int64_t kv_heads = std::max<int64_t>(1, int64_t(l2_bytes / 2) / kv_head_bytes);
