@@ -257,7 +257,7 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   const std::string exp2_emu = std::getenv("FLASH_EXT_SM90_EXP2_EMU") ? std::getenv("FLASH_EXT_SM90_EXP2_EMU") : "";
   FLASH_EXT_CHECK(exp2_emu.empty() || exp2_emu == "0" || exp2_emu == "1",
                   "flash_ext: FLASH_EXT_SM90_EXP2_EMU must be 0 or 1; got '", exp2_emu, "'");
-  p.sm90_exp2_emu = exp2_emu != "0";
+  p.sm90_exp2_emu = exp2_emu == "1";  // off by default: slower on the H200 (docs/perf-notes.md)
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

@@ -78,7 +78,8 @@ struct FwdParams {
   // (head, batch) pairs per section, set by the launch from the above and the L2 size.
   int sm90_section_hb;
   // Hopper kernel, head dims <= 64: a quarter of the softmax's exponentials computed on the FMA
-  // units (common/softmax.h exp2_fma). On by default; FLASH_EXT_SM90_EXP2_EMU=0 turns it off.
+  // units (common/softmax.h exp2_fma). Off by default (3-13% slower on an H200, docs/perf-notes.md);
+  // FLASH_EXT_SM90_EXP2_EMU=1 turns it on, for measurements.
   bool sm90_exp2_emu;
   // Hopper kernel, persistent grid under a causal/local mask: a zero-initialised int32 on the
   // device from which CTAs claim tiles (flash_api.cpp allocates it per call); nullptr otherwise.
