@@ -394,6 +394,13 @@ def extra_memory_mib(fn: Callable[[], object]) -> float:
     return extra / 2**20
 
 
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """``names`` starting from entry ``round_index`` (mod its length): the order in which round
+    ``round_index`` times its backends, so that no backend is always timed first or last."""
+    shift = round_index % len(names)
+    return list(names[shift:]) + list(names[:shift])
+
+
 def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cuda") -> Row:
     """Times every backend on one config: ``rounds`` rounds, each backend in turn in each round
     (in an order rotated from round to round; median of ``reps`` calls after ``warmup``), and
@@ -407,8 +414,7 @@ def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cud
     fns: dict[str, Callable[[], object]] = {}
     times: dict[str, list[float]] = {name: [] for name in BACKEND_NAMES}
     for r in range(rounds):
-        shift = r % len(BACKEND_NAMES)  # a different backend first in each round
-        for name in BACKEND_NAMES[shift:] + BACKEND_NAMES[:shift]:
+        for name in rotated(BACKEND_NAMES, r):
             if name in row.errors:
                 continue
             try:

@@ -68,6 +68,12 @@ def test_parse_args_quick_and_lists():
         bench.parse_args(["--dtypes", "fp32"])
 
 
+def test_rotated_order():
+    names = ("a", "b", "c")
+    assert [bench.rotated(names, r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
 def test_parse_directions():
     assert bench.parse_args(["--quick"]).directions == ["fwd", "bwd", "fwdbwd"]
     assert bench.parse_args(["--directions", "bwd"]).directions == ["bwd"]

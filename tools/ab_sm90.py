@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext
-from flash_ext.bench import _env
+from flash_ext.bench import _env, rotated
 from flash_ext.bench import time_ms as _bench_time_ms
 
 
@@ -100,7 +100,7 @@ def main():
                 times = {n: [] for n in names + ["cudnn"]}
                 order = names + (["cudnn"] if cudnn else [])
                 for r in range(args.rounds):
-                    for n in order[r % len(order):] + order[:r % len(order)]:  # rotated each round
+                    for n in rotated(order, r):
                         if n == "cudnn":
                             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                                 times[n].append(time_ms(
