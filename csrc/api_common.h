@@ -4,8 +4,13 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cuda_runtime.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <optional>
@@ -82,6 +87,52 @@ inline int sm80_kernel_head_dim(int d, const char* direction) {
   FLASH_EXT_CHECK(false, "flash_ext: no ", direction, " kernel for head dim ", d, " in this build (",
               FLASH_EXT_BUILD_INFO, "); rebuild with FLASH_EXT_HEADDIMS covering it");
   return 0;
+}
+
+// An environment switch (FLASH_EXT_*), read at every call (tests and A/B runs change them
+// between calls), checked against its allowed values: "" when unset or empty, else one of them.
+inline std::string env_choice(const char* name, std::initializer_list<const char*> allowed) {
+  const char* raw = std::getenv(name);
+  const std::string value = raw ? raw : "";
+  if (value.empty()) return value;
+  std::string choices;
+  size_t i = 0;
+  for (const char* a : allowed) {
+    if (value == a) return value;
+    choices += i == 0 ? "" : (i + 1 == allowed.size() ? " or " : ", ");
+    choices += a;
+    ++i;
+  }
+  FLASH_EXT_CHECK(false, "flash_ext: ", name, " must be ", choices, "; got '", value, "'");
+  return value;
+}
+
+// What the dispatch and the launches need to know of a device, queried once per device
+// (cudaDeviceGetAttribute on every call cost host time on each forward).
+struct DeviceInfo {
+  int major = 0;     // compute capability
+  int sms = 0;       // multiprocessors
+  int l2_bytes = 0;  // L2 cache size
+  double dram_bytes_per_s = 0;  // peak: 2 transfers per memory clock x bus width (0: not reported)
+};
+
+inline const DeviceInfo& device_info(int device) {
+  constexpr int kMaxDevices = 64;
+  static DeviceInfo infos[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  FLASH_EXT_CHECK(device >= 0 && device < kMaxDevices, "flash_ext: device index ", device, " out of range");
+  std::call_once(once[device], [device] {
+    DeviceInfo& d = infos[device];
+    cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device);
+    cudaDeviceGetAttribute(&d.l2_bytes, cudaDevAttrL2CacheSize, device);
+    int clock_khz = 0, bus_bits = 0;
+    cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device);
+    cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device);
+    d.dram_bytes_per_s = 2.0 * clock_khz * 1e3 * bus_bits / 8;
+    cudaGetLastError();  // an attribute this device does not report leaves 0, not a sticky error
+  });
+  return infos[device];
 }
 
 inline void check_rows_aligned(const at::Tensor& t, const char* name) {

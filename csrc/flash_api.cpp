@@ -114,12 +114,8 @@ void run_fwd_sm90_hdim(FwdParams& p, int kd, cudaStream_t stream) {
 enum class FwdPath { kSm80, kSm90 };
 
 FwdPath choose_fwd_path(const FwdParams& p, int device) {
-  int major = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  const char* env = std::getenv("FLASH_EXT_FWD_PATH");
-  const std::string forced = env ? env : "";
-  FLASH_EXT_CHECK(forced.empty() || forced == "auto" || forced == "sm80" || forced == "sm90",
-              "flash_ext: FLASH_EXT_FWD_PATH must be auto, sm80 or sm90; got '", forced, "'");
+  const int major = device_info(device).major;
+  const std::string forced = env_choice("FLASH_EXT_FWD_PATH", {"auto", "sm80", "sm90"});
   bool sm90_ok = false;
 #ifdef FLASH_EXT_SM90A
   const bool bf16_ok =
@@ -146,9 +142,9 @@ FwdPath choose_fwd_path(const FwdParams& p, int device) {
   return sm90_ok ? FwdPath::kSm90 : FwdPath::kSm80;
 }
 
-void run_fwd(FwdParams& p, int device, cudaStream_t stream) {
+void run_fwd(FwdParams& p, FwdPath path, cudaStream_t stream) {
 #ifdef FLASH_EXT_SM90A
-  if (choose_fwd_path(p, device) == FwdPath::kSm90) {
+  if (path == FwdPath::kSm90) {
     const int kd = kernel_head_dim_sm90(p.head_dim);
     if (p.is_bf16) {
 #ifdef FLASH_EXT_BF16
@@ -162,7 +158,7 @@ void run_fwd(FwdParams& p, int device, cudaStream_t stream) {
     return;
   }
 #else
-  choose_fwd_path(p, device);  // validates FLASH_EXT_FWD_PATH
+  (void)path;
 #endif
   const int kd = sm80_kernel_head_dim(p.head_dim, "forward");
   if (p.is_bf16) {
@@ -233,31 +229,18 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.window_right = int(window_right);
   p.has_window = window_left >= 0 || window_right >= 0;
   set_dropout_params(p, dropout_p, rng_state);
-  const std::string pingpong = std::getenv("FLASH_EXT_SM90_PINGPONG") ? std::getenv("FLASH_EXT_SM90_PINGPONG") : "";
-  FLASH_EXT_CHECK(pingpong.empty() || pingpong == "0" || pingpong == "1" || pingpong == "tile",
-                  "flash_ext: FLASH_EXT_SM90_PINGPONG must be 0, 1 or tile; got '", pingpong, "'");
+  // Hopper forward switches (README, docs/kernels-sm90.md), for A/B runs and tests.
+  const std::string pingpong = env_choice("FLASH_EXT_SM90_PINGPONG", {"0", "1", "tile"});
   p.sm90_pingpong = pingpong == "0" ? 0 : pingpong == "tile" ? 2 : 1;
-  const char* persistent = std::getenv("FLASH_EXT_SM90_PERSISTENT");
-  p.sm90_persistent = persistent ? (std::string(persistent) == "0" ? 0 : 1) : -1;
-  const char* tma_store = std::getenv("FLASH_EXT_SM90_TMA_STORE");
-  p.sm90_tma_store_o = !(tma_store && std::string(tma_store) == "0");
-  const std::string fwd_tile = std::getenv("FLASH_EXT_SM90_FWD_TILE") ? std::getenv("FLASH_EXT_SM90_FWD_TILE") : "";
-  FLASH_EXT_CHECK(fwd_tile.empty() || fwd_tile == "auto" || fwd_tile == "base" || fwd_tile == "alt",
-                  "flash_ext: FLASH_EXT_SM90_FWD_TILE must be auto, base or alt; got '", fwd_tile, "'");
+  const std::string persistent = env_choice("FLASH_EXT_SM90_PERSISTENT", {"auto", "0", "1"});
+  p.sm90_persistent = persistent == "0" ? 0 : persistent == "1" ? 1 : -1;
+  p.sm90_tma_store_o = env_choice("FLASH_EXT_SM90_TMA_STORE", {"0", "1"}) != "0";
+  const std::string fwd_tile = env_choice("FLASH_EXT_SM90_FWD_TILE", {"auto", "base", "alt"});
   p.sm90_fwd_tile = fwd_tile == "base" ? 0 : fwd_tile == "alt" ? 1 : -1;
-  const std::string lazy_rescale = std::getenv("FLASH_EXT_SM90_LAZY_RESCALE") ? std::getenv("FLASH_EXT_SM90_LAZY_RESCALE") : "";
-  FLASH_EXT_CHECK(lazy_rescale.empty() || lazy_rescale == "0" || lazy_rescale == "1",
-                  "flash_ext: FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1; got '", lazy_rescale, "'");
-  p.sm90_lazy_rescale = lazy_rescale != "0";
-  const std::string sections = std::getenv("FLASH_EXT_SM90_HEAD_SECTIONS") ? std::getenv("FLASH_EXT_SM90_HEAD_SECTIONS") : "";
-  FLASH_EXT_CHECK(sections.empty() || sections == "0" || sections == "1",
-                  "flash_ext: FLASH_EXT_SM90_HEAD_SECTIONS must be 0 or 1; got '", sections, "'");
-  p.sm90_head_sections = sections != "0";
+  p.sm90_lazy_rescale = env_choice("FLASH_EXT_SM90_LAZY_RESCALE", {"0", "1"}) != "0";
+  const std::string sections = env_choice("FLASH_EXT_SM90_HEAD_SECTIONS", {"0", "1", "always"});
+  p.sm90_head_sections = sections == "0" ? 0 : sections == "always" ? 2 : 1;
   p.sm90_section_hb = 0;  // set by the Hopper launch
-  const std::string exp2_emu = std::getenv("FLASH_EXT_SM90_EXP2_EMU") ? std::getenv("FLASH_EXT_SM90_EXP2_EMU") : "";
-  FLASH_EXT_CHECK(exp2_emu.empty() || exp2_emu == "0" || exp2_emu == "1",
-                  "flash_ext: FLASH_EXT_SM90_EXP2_EMU must be 0 or 1; got '", exp2_emu, "'");
-  p.sm90_exp2_emu = exp2_emu == "1";  // off by default: slower on the H200 (docs/perf-notes.md)
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;
@@ -317,13 +300,18 @@ void launch(FwdParams& p, const at::Tensor& q) {
   // current stream: when it is freed below, the caching allocator hands it out again only to
   // work ordered after this launch. Zeroed with cudaMemsetAsync: at::zeros' fill costs ~50 us of
   // host time per call (docs/bench/h200-2026-11-22-host-overhead.txt).
+  const DeviceInfo& dev = device_info(q.get_device());
+  p.num_sms = dev.sms;
+  p.l2_bytes = dev.l2_bytes;
+  p.dram_bytes_per_s = dev.dram_bytes_per_s;
+  const FwdPath path = choose_fwd_path(p, q.get_device());
   at::Tensor tile_counter;
-  if (p.has_window && p.sm90_persistent != 0 && choose_fwd_path(p, q.get_device()) == FwdPath::kSm90) {
+  if (p.has_window && p.sm90_persistent != 0 && path == FwdPath::kSm90) {
     tile_counter = at::empty({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
     C10_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream));
   }
-  run_fwd(p, q.get_device(), stream);
+  run_fwd(p, path, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

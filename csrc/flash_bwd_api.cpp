@@ -90,12 +90,8 @@ void run_bwd_sm90_hdim(BwdParams& p, int kd, cudaStream_t stream) {
 enum class BwdPath { kSm80, kSm90 };
 
 BwdPath choose_bwd_path(const BwdParams& p, int device) {
-  int major = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  const char* env = std::getenv("FLASH_EXT_BWD_PATH");
-  const std::string forced = env ? env : "";
-  FLASH_EXT_CHECK(forced.empty() || forced == "auto" || forced == "sm80" || forced == "sm90",
-              "flash_ext: FLASH_EXT_BWD_PATH must be auto, sm80 or sm90; got '", forced, "'");
+  const int major = device_info(device).major;
+  const std::string forced = env_choice("FLASH_EXT_BWD_PATH", {"auto", "sm80", "sm90"});
   bool sm90_ok = false;
 #ifdef FLASH_EXT_SM90A
   const bool bf16_ok =
@@ -227,8 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   {
     // The pipelined main kernel (variant 2, docs/kernels-sm80-bwd.md) is the default: 1.25-1.55x
     // faster than variant 1 on an H200. FLASH_EXT_BWD_VARIANT=1 selects the first kernel.
-    const char* variant = std::getenv("FLASH_EXT_BWD_VARIANT");
-    p.variant = (variant != nullptr && variant[0] == '1' && variant[1] == '\0') ? 1 : 2;
+    p.variant = env_choice("FLASH_EXT_BWD_VARIANT", {"1", "2"}) == "1" ? 1 : 2;
   }
 
   const int r = varlen ? 0 : 1;  // index of the seqlen dim

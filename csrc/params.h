@@ -72,15 +72,17 @@ struct FwdParams {
   // FLASH_EXT_SM90_LAZY_RESCALE=0 rescales whenever a row's max grows (for measurements).
   bool sm90_lazy_rescale;
   // Hopper kernel under causal/local masks: longest-first tile order within sections of heads
-  // whose K/V fit in half the L2 (sm90/fwd_kernel.cuh TileScheduler). On by default;
-  // FLASH_EXT_SM90_HEAD_SECTIONS=0 orders longest first over all heads (for measurements).
-  bool sm90_head_sections;
+  // whose K/V fit in half the L2 (sm90/fwd_kernel.cuh TileScheduler). 1 (default): where the
+  // plain order would need much HBM bandwidth (sm90/fwd_launch.cuh); 2
+  // (FLASH_EXT_SM90_HEAD_SECTIONS=always): always; 0: never, longest first over all heads.
+  int sm90_head_sections;
   // (head, batch) pairs per section, set by the launch from the above and the L2 size.
   int sm90_section_hb;
-  // Hopper kernel, head dims <= 64: a quarter of the softmax's exponentials computed on the FMA
-  // units (common/softmax.h exp2_fma). Off by default (3-13% slower on an H200, docs/perf-notes.md);
-  // FLASH_EXT_SM90_EXP2_EMU=1 turns it on, for measurements.
-  bool sm90_exp2_emu;
+  // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
+  // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).
+  int num_sms;
+  int l2_bytes;
+  double dram_bytes_per_s;
   // Hopper kernel, persistent grid under a causal/local mask: a zero-initialised int32 on the
   // device from which CTAs claim tiles (flash_api.cpp allocates it per call); nullptr otherwise.
   int* tile_counter;

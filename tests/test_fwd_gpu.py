@@ -323,9 +323,10 @@ def test_varlen_cuda_graph_capture():
 # Environments of FLASH_EXT_SM90_* switches, each value read by flash_api.cpp per call: every
 # epilogue x grid pair with the defaults, then the other two ping-pong modes on the persistent
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
-# sections (all heads in one section).
+# sections (all heads in one section) and with them whatever the bandwidth estimate says.
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
-    dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"), dict(HEAD_SECTIONS="0")]
+    dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"), dict(HEAD_SECTIONS="0"),
+    dict(HEAD_SECTIONS="always")]
 SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS")
 
 
@@ -370,8 +371,8 @@ SM90_SWITCH_CASES = [
     (torch.bfloat16, 3, 300, 300, 16, 16, 96, dict(causal=True)),            # 64-byte swizzle
     (torch.bfloat16, 2, 1000, 1000, 8, 8, 80, dict(causal=True)),  # d = 80 in the 96 kernel
     (torch.float16, 2, 513, 700, 16, 16, 192, dict(window_size=(100, 0))),
-    # 2 MB of K/V per head, 72 (head, batch) pairs (>= SMs / 2): with a 50 MB L2 (H100, H200)
-    # the causal order runs in 6 head sections
+    # 2 MB of K/V per head, 72 (head, batch) pairs: with a 50 MB L2 (H100, H200) the causal
+    # order runs in 6 head sections (under HEAD_SECTIONS=always, and by default on both GPUs)
     (torch.bfloat16, 2, 2048, 2048, 36, 36, 256, dict(causal=True)),
 ]
 
@@ -436,33 +437,14 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, fwd_path, monkeypatc
     assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"LAZY_RESCALE={lazy}")
 
 
-# exp2 on the FMA units for a quarter of the exponentials (head dims <= 64; common/softmax.h), on
-# and off, against the reference: the d <= 64 switch cases, and a causal call with seqlen_q >
-# seqlen_k whose first rows see no key (exactly 0 and lse = -inf, as with ex2).
-SM90_EXP2_CASES = [c for c in SM90_ALT_TILE_CASES if c[6] <= 64] + [
-    (torch.float16, 2, 1000, 257, 8, 2, 64, dict(causal=True)),
-]
-
-
-@pytest.mark.parametrize("case", SM90_EXP2_CASES, ids=_case_id)
-@pytest.mark.parametrize("emu", ["1", "0"])
-def test_sm90_exp2_emulation(case, emu, fwd_path, monkeypatch, record_property):
-    _sm90_or_skip(fwd_path)
-    monkeypatch.setenv("FLASH_EXT_SM90_EXP2_EMU", emu)
-    dtype, b, sq, sk, hq, hkv, d, kw = case
-    q, k, v = rand_qkv(b, sq, sk, hq, hkv, d, dtype)
-    ref, ref_lse = attention_ref(q, k, v, **kw)
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    out, lse = flash_ext.attn_fwd(q, k, v, **kw)
-    assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"EXP2_EMU={emu}")
-
-
 @pytest.mark.parametrize("var,value,message", [
     ("FLASH_EXT_SM90_FWD_TILE", "huge", "FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"),
     ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1 or tile"),
     ("FLASH_EXT_SM90_LAZY_RESCALE", "yes", "FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1"),
-    ("FLASH_EXT_SM90_HEAD_SECTIONS", "on", "FLASH_EXT_SM90_HEAD_SECTIONS must be 0 or 1"),
-    ("FLASH_EXT_SM90_EXP2_EMU", "2", "FLASH_EXT_SM90_EXP2_EMU must be 0 or 1"),
+    ("FLASH_EXT_SM90_HEAD_SECTIONS", "on", "FLASH_EXT_SM90_HEAD_SECTIONS must be 0, 1 or always"),
+    ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
+    ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
+    ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):
     monkeypatch.setenv(var, value)

@@ -16,7 +16,7 @@ Variants (environment variables read by flash_api.cpp at each call):
   pp_tile   FLASH_EXT_SM90_PINGPONG=tile (turns re-synchronised at every tile, as before 2026-11-22)
   eager     FLASH_EXT_SM90_LAZY_RESCALE=0 (O rescaled whenever a row's max grows)
   no_sect   FLASH_EXT_SM90_HEAD_SECTIONS=0 (masked tiles longest first over all heads)
-  emu       FLASH_EXT_SM90_EXP2_EMU=1 (a quarter of the exponentials on the FMA units; d <= 64 only)
+  sect      FLASH_EXT_SM90_HEAD_SECTIONS=always (head sections whatever the bandwidth estimate)
   base      FLASH_EXT_SM90_FWD_TILE=base (d = 64: 128 x 128 tiles, d = 256: 128 x 64)
   alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
   alt_nopp  alt_tile without ping-pong
@@ -54,7 +54,7 @@ VARIANTS = {
     "pp_tile": {"FLASH_EXT_SM90_PINGPONG": "tile"},
     "eager": {"FLASH_EXT_SM90_LAZY_RESCALE": "0"},
     "no_sect": {"FLASH_EXT_SM90_HEAD_SECTIONS": "0"},
-    "emu": {"FLASH_EXT_SM90_EXP2_EMU": "1"},
+    "sect": {"FLASH_EXT_SM90_HEAD_SECTIONS": "always"},
     "base": {"FLASH_EXT_SM90_FWD_TILE": "base"},
     "alt_tile": {"FLASH_EXT_SM90_FWD_TILE": "alt"},
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},

@@ -5,7 +5,7 @@
 tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CTAs run several
 tiles: the Q slabs, the O tile, the tile ring and the ping-pong turns are reused across tiles),
 on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried and per-tile
-ping-pong, causal (claimed tiles) and not (static stride).
+ping-pong, causal and local (claimed tiles) and not (static stride).
 """
 import os
 import sys
@@ -27,9 +27,10 @@ if len(sys.argv) > 2 and sys.argv[2] == "tiles":
                 s = 700  # 4-6 query blocks per head, the last one partial
                 h = (sms + 3) // 4 + 1
                 q = torch.randn(1, s, h, d, device="cuda", dtype=dt)
-                for causal in (False, True):
-                    out, _ = flash_ext.attn_fwd(q, q, q, causal=causal)
-                    assert torch.isfinite(out).all(), (tile, pingpong, d, causal)
+                # a sliding window: warpgroups of a tile skip different blocks at both ends
+                for kw in ({}, {"causal": True}, {"window_size": (96, 0)}):
+                    out, _ = flash_ext.attn_fwd(q, q, q, **kw)
+                    assert torch.isfinite(out).all(), (tile, pingpong, d, kw)
     torch.cuda.synchronize()
     print("sanitize_fwd tiles done")
     sys.exit(0)

@@ -7,10 +7,10 @@
 // so each probability costs one FFMA and one EX2.
 // Rows whose keys are all masked keep m = -inf; they produce l = 0, output 0 and lse = -inf.
 //
-// Lazy rescaling (kLazy, the Hopper kernel; FlashAttention-4 does the same): m may be any value
-// that the scores exceed by at most a small margin, not necessarily their max, as long as l, the
-// output and lse all use the same m. So a row keeps its old m while a new block's max exceeds it
-// by at most slack_log2 (in log2 units: probabilities up to 2^slack_log2, harmless in fp32 and
+// Lazy rescaling (slack_log2 > 0, the Hopper kernel; FlashAttention-4 does the same): m may be any
+// value that the scores exceed by at most a small margin, not necessarily their max, as long as l,
+// the output and lse all use the same m. So a row keeps its old m while a new block's max exceeds
+// it by at most slack_log2 (in log2 units: probabilities up to 2^slack_log2, harmless in fp32 and
 // in the bf16/fp16 P operand), its correction is then 1, and a warp whose rows all have
 // correction 1 skips the output rescale (kHeadDim / 2 multiplies per thread per key block).
 #pragma once
@@ -18,22 +18,6 @@
 #include "common/fragment.h"
 
 namespace flash_ext {
-
-// 2^x on the FMA units instead of the MUFU unit (whose 16 results per clock per SM bound the
-// softmax of small head dims; FlashAttention-4 offloads part of its exponentials the same way).
-// x = n + f with n = round(x) (the 1.5 * 2^23 trick: n lands in the low mantissa bits of t) and
-// f in [-0.5, 0.5]; 2^f from a degree-3 polynomial (relative error 7.5e-5, below the rounding of
-// the bf16 / fp16 P operand it feeds); n added to the exponent field. x < -125 (masked scores
-// included) gives exactly 0, as ex2 does for -inf.
-__device__ __forceinline__ float exp2_fma(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-  const float xc = fmaxf(x, -125.f);
-  const float t = __fadd_rn(xc, kRound);
-  const float f = __fsub_rn(xc, __fsub_rn(t, kRound));
-  const float p = fmaf(fmaf(fmaf(0.05517161f, f, 0.24261113f), f, 0.69326097f), f, 0.99992806f);
-  const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-  return x < -125.f ? 0.f : r;
-}
 
 template <int kRows>
 struct OnlineSoftmax {
@@ -46,8 +30,8 @@ struct OnlineSoftmax {
   // the caller applies it (rescale) when the accumulator is not in use by an in-flight GEMM.
   // kChains: independent max and sum chains per row (the Hopper kernel uses 4: a quarter of the
   // dependent latency; the sm80 kernels keep 1, where more registers meant more spills).
-  // kEmuEvery > 0: every kEmuEvery-th column's exponential is exp2_fma (FMA units), the rest ex2.
-  template <bool kFirstBlock, bool kLazy = false, int kChains = 1, int kEmuEvery = 0, typename TensorS>
+  // slack_log2: lazy rescaling (above); 0 moves the max whenever it grows.
+  template <bool kFirstBlock, int kChains = 1, typename TensorS>
   __device__ __forceinline__ void update_scores(TensorS& scores, float scale_log2, float (&correction)[kRows],
                                                 float slack_log2 = 0.f) {
     using namespace cute;
@@ -63,7 +47,8 @@ struct OnlineSoftmax {
       for (int i = 1; i < kChains; ++i) mx[0] = fmaxf(mx[0], mx[i]);
       float m = quad_max(mx[0]);
       // Keep the old max while the new one is within the slack (false for an old max of -inf).
-      if constexpr (kLazy && !kFirstBlock) {
+      // (With slack 0 this keeps an equal max; the comparison is false for an old max of -inf.)
+      if constexpr (!kFirstBlock) {
         if ((m - row_max[r]) * scale_log2 <= slack_log2) m = row_max[r];
       }
       // A fully masked row so far: subtract 0 instead of -inf so that exp2 gives 0, not NaN.
@@ -76,7 +61,7 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c) {
         const float x = scores(r, c) * scale_log2 - m_scaled;
-        const float p = kEmuEvery > 0 && c % kEmuEvery == kEmuEvery - 1 ? exp2_fma(x) : exp2f(x);
+        const float p = exp2f(x);
         scores(r, c) = p;
         sums[c % kChains] += p;
       }

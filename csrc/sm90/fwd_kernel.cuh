@@ -405,13 +405,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
         if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
-        // Head dims <= 64, FLASH_EXT_SM90_EXP2_EMU=1 only: a quarter of the exponentials on the FMA
-        // units (p.sm90_exp2_emu). Measured 3-13% slower than all on MUFU (docs/perf-notes.md).
-        if (kHeadDim <= 64 && p.sm90_exp2_emu) {
-          softmax.template update_scores<decltype(is_first)::value, true, 4, 4>(scores, scale_log2, correction, rescale_slack_log2);
-        } else {
-          softmax.template update_scores<decltype(is_first)::value, true, 4>(scores, scale_log2, correction, rescale_slack_log2);
-        }
+        softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
       };
 
       int n_block = n_max - 1;

@@ -60,20 +60,27 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   const int64_t tiles = int64_t((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM) * p.heads_q * p.batch;
   const bool persistent = p.sm90_persistent != 0 && (!kHasWindow || p.tile_counter != nullptr);
   args.p.tile_counter = kHasWindow && persistent ? p.tile_counter : nullptr;
-  int device = 0, sms = 0, l2_bytes = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int sms = p.num_sms, l2_bytes = p.l2_bytes;  // of the current device (flash_api.cpp)
   // Longest-first order under masks, in sections of (head, batch) pairs whose K/V fit in half
   // the L2 (TileScheduler); query heads sharing a K/V head (GQA) count once. Without the
   // sections (FLASH_EXT_SM90_HEAD_SECTIONS=0) one section holds every pair.
   const int heads_batches = p.heads_q * p.batch;
   args.p.sm90_section_hb = heads_batches;
-  // Only where the plain order leaves fewer than ~2 CTAs of a wave per head (heads x batch >=
-  // SMs / 2): with more, the CTAs of a head run neighbouring query blocks in step and re-read
-  // each K/V block within a block-time, which sections (~SMs / section CTAs per head, spread over
-  // as many query blocks) lost 4-8% against at s = 4k (docs/perf-notes.md).
-  if (kHasWindow && p.sm90_head_sections && 2 * heads_batches >= sms) {
-    cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
+  // Only where the plain order would need much HBM bandwidth (p.sm90_head_sections 1; 2: always).
+  // It runs the tiles of a wave on min(K/V heads x batch, SMs) K/V streams, each read by the
+  // CTAs on that head in step (neighbouring query blocks re-read a K/V block within a
+  // block-time): a CTA reads 2 * sizeof(Element) bytes of K/V per 4 * kBlockM FLOPs, so at
+  // ~4.5 TFLOP/s per SM the streams need streams * 4.5e12 * sizeof(Element) / (2 * kBlockM)
+  // bytes/s from HBM. Sections where that exceeds half the device's bandwidth: more CTAs per head
+  // re-read its K/V from L2 over the section's whole run. Below that, the plain order was faster
+  // (sections lost 4-8% at s = 4k, heads x batch = 64, on an H200, docs/perf-notes.md); d = 256 at
+  // s = 2k (64 streams) ran 22% below cuDNN on the H100's 3.35 TB/s without them.
+  const int64_t kv_streams = std::min<int64_t>(int64_t(p.heads_kv) * p.batch, sms);
+  const double stream_bytes_per_s = 4.5e12 * sizeof(Element) / (2.0 * Traits::kBlockM);
+  const bool bandwidth_bound = p.dram_bytes_per_s > 0
+                                   ? kv_streams * stream_bytes_per_s > 0.5 * p.dram_bytes_per_s
+                                   : 2 * heads_batches >= sms;  // no bandwidth reported: the H200's threshold
+  if (kHasWindow && (p.sm90_head_sections == 2 || (p.sm90_head_sections == 1 && bandwidth_bound))) {
     const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.seqlen_k) * p.head_dim * 2 * int64_t(sizeof(Element)));
     const int64_t kv_heads = std::max<int64_t>(1, int64_t(l2_bytes / 2) / kv_head_bytes);
     args.p.sm90_section_hb = int(std::min<int64_t>(heads_batches, kv_heads * (p.heads_q / p.heads_kv)));
@@ -112,7 +119,8 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
       sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
     }
   } else if constexpr (kHeadDim <= 128) {
-    // 128 x 176 was measured too (docs/perf-notes.md): no clear win, so 128 x 128.
+    // 128 x 176 (FlashAttention-3's tile) and Q as a register operand were measured too
+    // (docs/perf-notes.md): no win, so 128 x 128 with Q in shared memory.
     sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
   } else if constexpr (kHeadDim == 256) {
     if (alt) {
