@@ -11,7 +11,7 @@
 // value that the scores exceed by at most a small margin, not necessarily their max, as long as l,
 // the output and lse all use the same m. So a row keeps its old m while a new block's max exceeds
 // it by at most slack_log2 (in log2 units: probabilities up to 2^slack_log2, harmless in fp32 and
-// in the bf16/fp16 P operand), its correction is then 1, and a warp whose rows all have
+// in the bf16/fp16 P operand), its correction is then 1, and a warpgroup whose rows all have
 // correction 1 skips the output rescale (kHeadDim / 2 multiplies per thread per key block).
 #pragma once
 #include <cmath>
@@ -82,14 +82,14 @@ struct OnlineSoftmax {
     }
   }
 
-  // Whether any row of this warp has a correction other than 1 (a warp-uniform answer: the
-  // accumulator rows of a warp belong to its own threads, so a warp whose rows all kept their
-  // max may skip the rescale).
-  __device__ __forceinline__ bool any_rescale(const float (&correction)[kRows]) const {
+  // Whether any of this thread's rows has a correction other than 1 (the caller votes on it
+  // across the warpgroup whose output accumulator the rescale would touch, and skips the rescale
+  // when no row moved its max).
+  __device__ __forceinline__ bool needs_rescale(const float (&correction)[kRows]) const {
     bool needed = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) needed |= correction[r] != 1.f;
-    return __any_sync(0xffffffffu, needed);
+    return needed;
   }
 
   // Both steps at once, for kernels whose output accumulator is idle during the softmax.

@@ -82,6 +82,16 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Whether pred holds for any of the `threads` threads meeting at named barrier `id` (bar.red.or):
+// a value the same in every warp of a warpgroup, for branches around warpgroup-wide instructions
+// (wgmma.wait_group is .aligned: all 128 threads must execute the same one).
+__device__ __forceinline__ bool named_barrier_any(bool pred, int id, int threads) {
+  uint32_t result;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(result) : "r"(uint32_t(pred)), "r"(id), "r"(threads) : "memory");
+  return result != 0;
+}
 
 // Tile scheduler. A tile is (query block, head, batch). With a persistent grid (one CTA per SM)
 // a CTA's next tile's loads overlap its current tile's epilogue.
@@ -364,6 +374,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // syncs warpgroup w's 128 threads.
   const bool o_store_leader = mma_tid % 128 == 0;
   const int o_barrier = 1 + kWGs + consumer_wg;
+  // Named barrier 1 + 2 kWGs + w: warpgroup w's vote on rescaling O (below).
+  const int rescale_barrier = 1 + 2 * kWGs + consumer_wg;
   bool o_store_pending = false;  // this warpgroup's previous store may still read its tile
 
   int tiles_popped = 0;
@@ -440,9 +452,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         // The wait for P V comes after the softmax in the source, but ptxas, which sees no
         // dependency between them, hoisted it above the softmax (SASS: WARPGROUP.DEPBAR right
         // after the row max), so the softmax ran after P V instead of under it. A wait inside a
-        // branch on the softmax's own result (a warp vote: does any row need its O rescaled?)
-        // stays below the softmax, and the unconditional wait after it stays below the branch.
-        if (softmax.any_rescale(correction)) {
+        // branch on the softmax's own result (does any row of the warpgroup need its O
+        // rescaled?) stays below the softmax, and the unconditional wait after it stays below the
+        // branch. The vote is warpgroup-wide (bar.red): with a per-warp vote, warps of one
+        // warpgroup executed different wgmma.wait_group instructions (compute-sanitizer
+        // synccheck: "mismatching warpgroup instruction pc between warps").
+        if (named_barrier_any(softmax.needs_rescale(correction), rescale_barrier, 128)) {
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_o);
           softmax.rescale(o_rows, correction);
