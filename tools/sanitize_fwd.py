@@ -1,6 +1,6 @@
 """A few forward calls for compute-sanitizer (memcheck, racecheck, synccheck):
 
-    compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90] [tiles]
+    compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90] [tiles [HEAD_DIM]]
 
 tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CTAs run several
 tiles: the Q slabs, the O tile, the tile ring and the ping-pong turns are reused across tiles),
@@ -23,7 +23,7 @@ if len(sys.argv) > 2 and sys.argv[2] == "tiles":
         os.environ["FLASH_EXT_SM90_FWD_TILE"] = tile
         for pingpong in ("1", "tile"):
             os.environ["FLASH_EXT_SM90_PINGPONG"] = pingpong
-            for d in (64, 128, 256):
+            for d in [int(sys.argv[3])] if len(sys.argv) > 3 else (64, 128, 256):  # one: racecheck is slow
                 s = 700  # 4-6 query blocks per head, the last one partial
                 h = (sms + 3) // 4 + 1
                 q = torch.randn(1, s, h, d, device="cuda", dtype=dt)
