@@ -45,6 +45,10 @@ hr "environment"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | wc -l | tr -d ' ') changed files"
+  # The device machine gets a copy of the working tree whose git metadata can be stale (its HEAD
+  # printed an older commit there): this hash of the sources identifies what was built and run.
+  # Compare with `bash tools/source_hash.sh` in a checkout.
+  echo "sources: $(bash tools/source_hash.sh)"
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
   else
