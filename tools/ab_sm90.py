@@ -93,8 +93,8 @@ def main():
                 else:
                     flops = 4 * b * h * s * s * d / (1 if mask == "full" else 2)
                 kw = MASK_KW[mask]
-                # cuDNN is timed in the same rounds, after the variants (SDPA has no sliding
-                # window without a dense mask: "-" for local).
+                # cuDNN is timed in the same rounds as the variants, in the rotated order (SDPA
+                # has no sliding window without a dense mask: "-" for local).
                 cudnn = not args.no_cudnn and mask != "local"
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 times = {n: [] for n in names + ["cudnn"]}
