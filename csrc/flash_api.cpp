@@ -241,6 +241,8 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   const std::string sections = env_choice("FLASH_EXT_SM90_HEAD_SECTIONS", {"0", "1", "always"});
   p.sm90_head_sections = sections == "0" ? 0 : sections == "always" ? 2 : 1;
   p.sm90_section_hb = 0;  // set by the Hopper launch
+  p.sm90_align_end = env_choice("FLASH_EXT_SM90_ALIGN_END", {"0", "1"}) != "0";
+  p.sm90_row_shift = 0;  // set by the Hopper launch
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

@@ -78,6 +78,13 @@ struct FwdParams {
   int sm90_head_sections;
   // (head, batch) pairs per section, set by the launch from the above and the L2 size.
   int sm90_section_hb;
+  // Hopper kernel under a causal mask (no left window, fixed-length batch): the query tiles end
+  // at seqlen_q instead of starting at row 0, so the padding rows of a seqlen_q that is no
+  // multiple of kBlockM fall into the shortest tile, not the longest (sm90/fwd_kernel.cuh).
+  // On by default; FLASH_EXT_SM90_ALIGN_END=0 turns it off (for measurements and tests).
+  bool sm90_align_end;
+  // Rows (a multiple of 64) by which the first query tile starts before row 0; set by the launch.
+  int sm90_row_shift;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
   // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).
   int num_sms;

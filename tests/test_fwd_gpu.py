@@ -323,11 +323,12 @@ def test_varlen_cuda_graph_capture():
 # Environments of FLASH_EXT_SM90_* switches, each value read by flash_api.cpp per call: every
 # epilogue x grid pair with the defaults, then the other two ping-pong modes on the persistent
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
-# sections (all heads in one section) and with them whatever the bandwidth estimate says.
+# sections (all heads in one section) and with them whatever the bandwidth estimate says, and
+# causal tiles from row 0 instead of aligned to end at seqlen_q.
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
     dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"), dict(HEAD_SECTIONS="0"),
-    dict(HEAD_SECTIONS="always")]
-SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS")
+    dict(HEAD_SECTIONS="always"), dict(ALIGN_END="0")]
+SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END")
 
 
 def _sm90_or_skip(fwd_path):
@@ -374,6 +375,12 @@ SM90_SWITCH_CASES = [
     # 2 MB of K/V per head, 72 (head, batch) pairs: with a 50 MB L2 (H100, H200) the causal
     # order runs in 6 head sections (under HEAD_SECTIONS=always, and by default on both GPUs)
     (torch.bfloat16, 2, 2048, 2048, 36, 36, 256, dict(causal=True)),
+    # Causal tiles aligned to end at seqlen_q (ALIGN_END, default on): 9 x 128 - 1050 = 102, so the
+    # first tile starts 64 rows before row 0; with sk > sq those rows would see keys (no output).
+    (torch.bfloat16, 2, 1050, 1300, 8, 8, 128, dict(causal=True)),
+    # A right window without a left one is aligned too (d = 64, 700 rows: 64 rows before row 0
+    # on both tiles); sq > sk.
+    (torch.float16, 2, 700, 500, 8, 2, 64, dict(window_size=(-1, 40))),
 ]
 
 
@@ -444,6 +451,7 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, fwd_path, monkeypatc
     ("FLASH_EXT_SM90_HEAD_SECTIONS", "on", "FLASH_EXT_SM90_HEAD_SECTIONS must be 0, 1 or always"),
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
+    ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

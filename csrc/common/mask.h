@@ -21,17 +21,22 @@ struct BlockMask {
   // Key blocks [n_min, n_max) intersect the visible region of query block m_block. Blocks
   // outside are never loaded nor computed.
   __device__ __forceinline__ void key_block_range(int m_block, int& n_min, int& n_max) const {
+    key_block_range_rows(m_block * kBlockM, n_min, n_max);
+  }
+  // The same for the kBlockM rows from row0 on (row0 may be negative: the Hopper forward's causal
+  // tiles that start before row 0, sm90/fwd_kernel.cuh; rows < 0 exist in no output).
+  __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
     n_max = (seqlen_k + kBlockN - 1) / kBlockN;
     n_min = 0;
     if constexpr (kHasWindow) {
       const int shift = seqlen_k - seqlen_q;
-      const int last_row = min((m_block + 1) * kBlockM, seqlen_q) - 1;
+      const int last_row = min(row0 + kBlockM, seqlen_q) - 1;
       if (window_right >= 0) {
         const int last_col = last_row + shift + window_right;  // may be negative
         n_max = min(n_max, last_col < 0 ? 0 : last_col / kBlockN + 1);
       }
       if (window_left >= 0) {
-        const int first_col = m_block * kBlockM + shift - window_left;
+        const int first_col = row0 + shift - window_left;
         n_min = max(0, first_col < 0 ? 0 : first_col / kBlockN);
       }
     }
@@ -61,10 +66,13 @@ struct BlockMask {
   // True when some element of block (m_block, n_block) is masked: the seqlen_k edge or a window
   // boundary crosses it. Interior blocks skip the elementwise mask entirely.
   __device__ __forceinline__ bool needs_mask(int m_block, int n_block) const {
+    return needs_mask_rows(m_block * kBlockM, n_block);
+  }
+  __device__ __forceinline__ bool needs_mask_rows(int row0, int n_block) const {
     if ((n_block + 1) * kBlockN > seqlen_k) return true;
     if constexpr (kHasWindow) {
       const int shift = seqlen_k - seqlen_q;
-      const int first_row = m_block * kBlockM, last_row = first_row + kBlockM - 1;
+      const int first_row = row0, last_row = first_row + kBlockM - 1;
       const int first_col = n_block * kBlockN, last_col = first_col + kBlockN - 1;
       if (window_right >= 0 && last_col > first_row + shift + window_right) return true;
       if (window_left >= 0 && first_col < last_row + shift - window_left) return true;
@@ -78,6 +86,11 @@ struct BlockMask {
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply(TensorS& scores, const TensorC& coords, int m_block,
                                         int n_block) const {
+    apply_rows(scores, coords, m_block * kBlockM, n_block);
+  }
+  template <typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0,
+                                             int n_block) const {
     using namespace cute;
     const int col0 = n_block * kBlockN;
     CUTE_UNROLL
@@ -85,7 +98,7 @@ struct BlockMask {
       int col_end = seqlen_k - col0;  // first masked column (tile coordinates), exclusive bound
       int col_begin = 0;              // first visible column
       if constexpr (kHasWindow) {
-        const int row = m_block * kBlockM + get<0>(coords(r, 0));
+        const int row = row0 + get<0>(coords(r, 0));
         const int diag = row + seqlen_k - seqlen_q - col0;
         if (window_right >= 0) col_end = min(col_end, diag + window_right + 1);
         if (window_left >= 0) col_begin = diag - window_left;

@@ -248,12 +248,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
 
+  // Query tile m_block holds rows [m_block * kBlockM - row_shift, + kBlockM): causal tiles are
+  // aligned to end at seqlen_q (p.sm90_row_shift, a multiple of 64, set by the launch), so rows
+  // before row 0 (no output) pad the first tile.
+  const int row_shift = p.sm90_row_shift;
   // The visible key blocks of a tile; false when the tile has no query row (varlen) or no key.
   auto tile_work = [&](int m_block, int batch, SeqInfo& seq, int& n_min, int& n_max) {
     seq = SeqInfo(p, batch);
-    if (m_block * kBlockM >= seq.seqlen_q) return false;
+    const int row0 = m_block * kBlockM - row_shift;
+    if (row0 >= seq.seqlen_q) return false;
     const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
-    mask.key_block_range(m_block, n_min, n_max);
+    mask.key_block_range_rows(row0, n_min, n_max);
     return true;
   };
 
@@ -312,7 +317,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         Barrier::arrive_and_expect_tx(&ss.barrier_q[w], Traits::kTmaBytesQSlab);
         Tensor sQw = make_tensor(make_smem_ptr(ss.q.data() + w * Traits::kQSlabElems), typename Traits::SmemLayoutQSlab{});
         auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQw), group_modes<0, 2>(gQ));
-        copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w), tQsQ);
+        copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w - row_shift / 64), tQsQ);
       }
       ++q_loads;
       pipeline_v.producer_acquire(write);
@@ -389,7 +394,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     scheduler.tile(t, m_block, head, batch);
     SeqInfo seq(p, batch);
     if (!tile_work(m_block, batch, seq, n_min, n_max)) continue;
-    const int rows_q = seq.seqlen_q - m_block * kBlockM;
+    const int row0 = m_block * kBlockM - row_shift;  // may be negative (first tile, aligned to the end)
+    const int rows_q = seq.seqlen_q - row0;  // rows [max(0, -row0), rows_q) of the tile exist
     const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
 
     OnlineSoftmax<kRows> softmax;
@@ -416,7 +422,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
-        if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
+        if (mask.needs_mask_rows(row0, n_block)) mask.apply_rows(scores, cS_rows, row0, n_block);
         softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
       };
 
@@ -483,7 +489,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.
     float lse[kRows];
     softmax.finalize(o_rows, scale_log2, lse);
-    const int64_t q_row0 = int64_t(m_block) * kBlockM;
+    const int64_t q_row0 = row0;
     bool o_stored = false;
     if constexpr (Traits::kHasSmemO) {
       if (tma_store_o) {
@@ -524,7 +530,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           Tensor sO = make_tensor(make_smem_ptr(ss.o.o.data() + wg * cosize_v<SmemLayoutO>), SmemLayoutO{});
           Tensor mO = args.tma_o.get_tma_tensor(args.shape_q)(_, _, head, batch);
           Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{},
-                                 make_coord(m_block * Traits::kConsumerWGs + wg, _0{}));
+                                 make_coord(m_block * Traits::kConsumerWGs + wg - row_shift / 64, _0{}));
           auto [tOgO, tOsO] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
           copy(args.tma_o, tOsO, tOgO);
           tma_store_arrive();
@@ -538,7 +544,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       CUTE_UNROLL
       for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
         const int row = get<0>(cO(i)), col = get<1>(cO(i));
-        if (row < rows_q && col < p.head_dim) {
+        if (row < rows_q && row >= -row0 && col < p.head_dim) {
           cutlass::Array<Element, 2> pair;
           pair[0] = Element(acc_o(i));
           pair[1] = Element(acc_o(i + 1));
@@ -551,7 +557,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const int row = get<0>(cO_rows(r, 0));
-        if (row < rows_q) lse_out[row] = lse[r];
+        if (row < rows_q && row >= -row0) lse_out[row] = lse[r];
       }
     }
   }
