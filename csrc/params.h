@@ -83,9 +83,6 @@ struct FwdParams {
   // multiple of kBlockM fall into the shortest tile, not the longest (sm90/fwd_kernel.cuh).
   // On by default; FLASH_EXT_SM90_ALIGN_END=0 turns it off (for measurements and tests).
   bool sm90_align_end;
-  // Hopper kernel main loop: O rescaled in the warpgroup's next GEMM turn (default) or after the
-  // softmax behind a warpgroup vote (FLASH_EXT_SM90_RESCALE=vote; sm90/fwd_kernel.cuh).
-  bool sm90_rescale_in_turn;
   // Rows (a multiple of 64) by which the first query tile starts before row 0; set by the launch.
   int sm90_row_shift;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h

@@ -20,9 +20,6 @@ Variants (environment variables read by flash_api.cpp at each call):
   base      FLASH_EXT_SM90_FWD_TILE=base (d = 64: 128 x 128 tiles, d = 256: 128 x 64)
   alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
   alt_nopp  alt_tile without ping-pong
-  vote      FLASH_EXT_SM90_RESCALE=vote (O rescaled right after the softmax behind a warpgroup vote,
-            the main loop before 2026-11-22 session 5; d = 64's 192-row tile and d = 256 always)
-  row0      FLASH_EXT_SM90_ALIGN_END=0 (causal query tiles from row 0, not aligned to end at seqlen_q)
 The variants of one row and cuDNN are timed in turns, --rounds times, in an order rotated from
 round to round, and each reports its median over the rounds, so that clock and thermal drift
 hit all of them alike (cuDNN moved by up to 25% between runs: compare within one run).
@@ -61,8 +58,6 @@ VARIANTS = {
     "base": {"FLASH_EXT_SM90_FWD_TILE": "base"},
     "alt_tile": {"FLASH_EXT_SM90_FWD_TILE": "alt"},
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
-    "vote": {"FLASH_EXT_SM90_RESCALE": "vote"},
-    "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

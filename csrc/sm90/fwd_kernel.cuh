@@ -190,9 +190,7 @@ __device__ __forceinline__ int tile_ring_pop(Storage& ss, int k) {
 
 }  // namespace fwd_detail
 
-// kRescaleInTurn: the main loop rescales O and hands P over in the warpgroup's next GEMM turn
-// (below); false: right after the softmax, behind a warpgroup-wide vote.
-template <typename Traits, bool kHasWindow, bool kRescaleInTurn>
+template <typename Traits, bool kHasWindow>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fwd_detail;
@@ -419,8 +417,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       };
       Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
       Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
-      // kRescaleInTurn: P of the next P V waits here while rP is still read by the one in flight.
-      Tensor rP_next = make_tensor<Element>(rP.layout());
       float correction[kRows];
 
       auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
@@ -443,106 +439,50 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         ++read_k;
         release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::true_type{});
-        if constexpr (kRescaleInTurn) {
-          convert_into(rP_next, acc_s);
-        } else {
-          convert_into(rP, acc_s);
-        }
+        convert_into(rP, acc_s);
       }
-      if constexpr (kRescaleInTurn) {
-        // Block j: wait for the previous P V (it ran under the previous softmax), release its V,
-        // rescale O by block j + 1's correction and move block j + 1's P from rP_next (converted
-        // right after its softmax, while rP was still read by that P V) into the operand
-        // registers; then, in the warpgroup's turn, issue S_j = Q K_j^T and O += P_{j+1} V_{j+1};
-        // wait for S_j only and run block j's softmax under P V and the other warpgroups' GEMMs.
-        // The wait for P V sits across the loop's back edge from the softmax, so ptxas cannot
-        // hoist it above the exponentials (the other loop's vote exists to stop that); the
-        // rescale and the P copy run outside the turn, and no instruction touches an accumulator
-        // between the two GEMMs of a turn (ptxas C7514 serializes every wgmma then).
-        PipelineState v_in_flight = read_v;
-        for (--n_block; n_block >= n_min; --n_block) {
-          Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      for (--n_block; n_block >= n_min; --n_block) {
+        Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        pipeline_k.consumer_wait(read_k);
+        pipeline_v.consumer_wait(read_v);
+        turn_begin();
+        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+        turn_end();
+        warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
+        warpgroup_fence_operand(acc_s);
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        release_q_after(n_block);
+        scores_to_probs(acc_s, n_block, cute::false_type{});
+        // The wait for P V comes after the softmax in the source, but ptxas, which sees no
+        // dependency between them, hoisted it above the softmax (SASS: WARPGROUP.DEPBAR right
+        // after the row max), so the softmax ran after P V instead of under it. A wait inside a
+        // branch on the softmax's own result (does any row of the warpgroup need its O
+        // rescaled?) stays below the softmax, and the unconditional wait after it stays below the
+        // branch. The vote is warpgroup-wide (bar.red): with a per-warp vote, warps of one
+        // warpgroup executed different wgmma.wait_group instructions (compute-sanitizer
+        // synccheck: "mismatching warpgroup instruction pc between warps").
+        if (named_barrier_any(softmax.needs_rescale(correction), rescale_barrier, 128)) {
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_o);
-          if (n_block < n_max - 2) pipeline_v.consumer_release(v_in_flight);
           softmax.rescale(o_rows, correction);
-          CUTE_UNROLL
-          for (int i = 0; i < size(rP); ++i) rP(i) = rP_next(i);
-          pipeline_k.consumer_wait(read_k);
-          pipeline_v.consumer_wait(read_v);
-          turn_begin();
-          warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-          warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-          v_in_flight = read_v;
-          ++read_v;
-          turn_end();
-          warpgroup_wait<1>();  // S_j is ready; P V is in flight
-          warpgroup_fence_operand(acc_s);
-          pipeline_k.consumer_release(read_k);
-          ++read_k;
-          release_q_after(n_block);
-          scores_to_probs(acc_s, n_block, cute::false_type{});
-          convert_into(rP_next, acc_s);
         }
-        ++q_loads;
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_o);
-        if (n_min < n_max - 1) pipeline_v.consumer_release(v_in_flight);
-        softmax.rescale(o_rows, correction);
-        CUTE_UNROLL
-        for (int i = 0; i < size(rP); ++i) rP(i) = rP_next(i);
-        pipeline_v.consumer_wait(read_v);
-        turn_begin();
-        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-        turn_end();
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
         pipeline_v.consumer_release(read_v);
         ++read_v;
-      } else {
-        for (--n_block; n_block >= n_min; --n_block) {
-          Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-          pipeline_k.consumer_wait(read_k);
-          pipeline_v.consumer_wait(read_v);
-          turn_begin();
-          warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-          warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-          turn_end();
-          warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
-          warpgroup_fence_operand(acc_s);
-          pipeline_k.consumer_release(read_k);
-          ++read_k;
-          release_q_after(n_block);
-          scores_to_probs(acc_s, n_block, cute::false_type{});
-          // The wait for P V comes after the softmax in the source, but ptxas, which sees no
-          // dependency between them, hoisted it above the softmax (SASS: WARPGROUP.DEPBAR right
-          // after the row max), so the softmax ran after P V instead of under it. A wait inside a
-          // branch on the softmax's own result (does any row of the warpgroup need its O
-          // rescaled?) stays below the softmax, and the unconditional wait after it stays below the
-          // branch. The vote is warpgroup-wide (bar.red): with a per-warp vote, warps of one
-          // warpgroup executed different wgmma.wait_group instructions (compute-sanitizer
-          // synccheck: "mismatching warpgroup instruction pc between warps").
-          if (named_barrier_any(softmax.needs_rescale(correction), rescale_barrier, 128)) {
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(acc_o);
-            softmax.rescale(o_rows, correction);
-          }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_o);
-          pipeline_v.consumer_release(read_v);
-          ++read_v;
-          convert_into(rP, acc_s);
-        }
-        ++q_loads;
-        pipeline_v.consumer_wait(read_v);
-        turn_begin();
-        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-        turn_end();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_o);
-        pipeline_v.consumer_release(read_v);
-        ++read_v;
+        convert_into(rP, acc_s);
       }
+      ++q_loads;
+      pipeline_v.consumer_wait(read_v);
+      turn_begin();
+      warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+      turn_end();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      pipeline_v.consumer_release(read_v);
+      ++read_v;
       if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
     }
 

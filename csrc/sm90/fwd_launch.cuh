@@ -49,14 +49,7 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  // The main loop's O rescale before the warpgroup's next turn (kRescaleInTurn) or right after
-  // the softmax behind a vote (FLASH_EXT_SM90_RESCALE=vote). The first keeps P of two blocks in
-  // registers: it spilled in the 160-register 192-row tile and at d = 256, which keep the vote.
-  using Kernel = void (*)(const FwdArgs<Traits>);
-  Kernel kernel = &fwd_kernel<Traits, kHasWindow, false>;
-  if constexpr (Traits::kConsumerWGs == 2 && Traits::kHeadDim <= 192) {
-    if (p.sm90_rescale_in_turn) kernel = &fwd_kernel<Traits, kHasWindow, true>;
-  }
+  auto kernel = &fwd_kernel<Traits, kHasWindow>;
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
