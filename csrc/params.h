@@ -53,8 +53,9 @@ struct FwdParams {
   uint32_t dropout_threshold;
   uint64_t dropout_seed, dropout_offset;
 
-  // Hopper kernel: order the consumer warpgroups' GEMMs (ping-pong). 1 (default): on, the turns
-  // carry on across tiles; 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every tile;
+  // Hopper kernel: order the consumer warpgroups' GEMMs (ping-pong). -1 (default): the launch
+  // picks 1, or 0 at d = 256 without a mask; 1 (FLASH_EXT_SM90_PINGPONG=1): on, the turns carry
+  // on across tiles; 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every tile;
   // 0 (FLASH_EXT_SM90_PINGPONG=0): off. For measurements.
   int sm90_pingpong;
   // Hopper kernel grid: -1 auto (= 1), 0 one CTA per tile, 1 persistent (static stride without a

@@ -321,12 +321,13 @@ def test_varlen_cuda_graph_capture():
 # ---------------------------------------------------------------------------------------------
 
 # Environments of FLASH_EXT_SM90_* switches, each value read by flash_api.cpp per call: every
-# epilogue x grid pair with the defaults, then the other two ping-pong modes on the persistent
+# epilogue x grid pair with the defaults, then the ping-pong modes (forced on: the default has it
+# off at d = 256 without a mask; per tile; off) on the persistent
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
 # sections (all heads in one section) and with them whatever the bandwidth estimate says, and
 # causal tiles from row 0 instead of aligned to end at seqlen_q.
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
-    dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"), dict(HEAD_SECTIONS="0"),
+    dict(PINGPONG="1"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"), dict(HEAD_SECTIONS="0"),
     dict(HEAD_SECTIONS="always"), dict(ALIGN_END="0")]
 SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END")
 

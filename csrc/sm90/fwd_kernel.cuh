@@ -524,13 +524,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         }
         fence_smem_for_async_proxy();
         named_barrier_sync(o_barrier, 128);
-        if (o_store_leader) {
+        // A box wholly before row 0 (the first tile of a causal call aligned to the end) is not
+        // stored: the TMA unit clips rows past the end but faults on a negative start row.
+        const int o_box = m_block * Traits::kConsumerWGs + wg - row_shift / 64;
+        if (o_store_leader && o_box >= 0) {
           // The tensor map has O's real extents: rows >= seqlen_q and columns >= head_dim are
           // clipped by the TMA unit.
           Tensor sO = make_tensor(make_smem_ptr(ss.o.o.data() + wg * cosize_v<SmemLayoutO>), SmemLayoutO{});
           Tensor mO = args.tma_o.get_tma_tensor(args.shape_q)(_, _, head, batch);
           Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{},
-                                 make_coord(m_block * Traits::kConsumerWGs + wg - row_shift / 64, _0{}));
+                                 make_coord(o_box, _0{}));
           auto [tOgO, tOsO] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
           copy(args.tma_o, tOsO, tOgO);
           tma_store_arrive();

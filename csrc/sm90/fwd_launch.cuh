@@ -91,11 +91,16 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // the last, which sees them all; and tile ends meet key-block ends more often (the 192 x 128
   // tile's computed / visible scores at s = 2k / 4k: 1.18 / 1.13 from row 0, 1.12 / 1.06 aligned
   // to the end). A multiple of 64 rows, so Q and O boxes of 64 rows stay whole: boxes wholly
-  // before row 0 are filled with zeros by the TMA load and dropped by the TMA store. Fixed-length
+  // before row 0 are filled with zeros by the TMA load and not stored (a TMA store with a
+  // negative start row faults: illegal instruction). Fixed-length
   // batches only (a varlen box before row 0 would read the previous sequence).
   const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const bool align_end = kHasWindow && p.sm90_align_end && !varlen && p.window_left < 0 && p.window_right >= 0;
   args.p.sm90_row_shift = align_end ? (m_blocks * Traits::kBlockM - p.seqlen_q) / 64 * 64 : 0;
+  // Ping-pong by default except at d = 256 without a mask (FlashAttention-4 has it off at d = 256
+  // too): its GEMMs are long and its softmax (80 columns) short, and on an H100 turning it off
+  // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). FLASH_EXT_SM90_PINGPONG forces it.
+  if (p.sm90_pingpong < 0) args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : 1;
   const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
