@@ -53,7 +53,11 @@ struct OnlineSoftmax {
       }
       // A fully masked row so far: subtract 0 instead of -inf so that exp2 gives 0, not NaN.
       const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
-      correction[r] = kFirstBlock ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
+      // Exactly 1 where the max stays: exp2f(row_max * scale_log2 - m_scaled) is not, since the
+      // compiler fuses the first product into an FFMA while m_scaled was rounded (the difference
+      // is that rounding error, and ex2.approx of it is not 1), so every block rescaled O and
+      // lazy rescaling skipped nothing (ncu on the H100: the rescale ran on every key block).
+      correction[r] = kFirstBlock || m == row_max[r] ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
       row_max[r] = m;
       float sums[kChains];
       CUTE_UNROLL
