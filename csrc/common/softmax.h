@@ -76,6 +76,72 @@ struct OnlineSoftmax {
     }
   }
 
+  // update_scores for a block after the first (slack_log2 > 0), with the exponentials taken
+  // against the current max while the block's max is still being computed, instead of after it:
+  // the max (FMNMX chains, two quad shuffles) then runs beside the exponentials rather than
+  // before them. probs (a (rows, cols) view of 16-bit registers) receives the probabilities;
+  // scores keep the scores, from which a row whose max moved by more than the slack (rare: only
+  // then would the current max be replaced) recomputes them. Results are bitwise those of
+  // update_scores<false, kChains>: the same max, the same exponent arguments, the same sums.
+  template <int kChains, typename TensorS, typename TensorP>
+  __device__ __forceinline__ void update_scores_speculative(const TensorS& scores, TensorP& probs, float scale_log2,
+                                                            float (&correction)[kRows], float slack_log2) {
+    using namespace cute;
+    using P = typename TensorP::value_type;
+    static_assert(decltype(size<0>(scores))::value == kRows);
+    // All rows first, without branches, so that the scheduler interleaves them; then the checks.
+    float mx[kRows][kChains], sums[kRows][kChains], old_scaled[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      old_scaled[r] = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
+      CUTE_UNROLL
+      for (int i = 0; i < kChains; ++i) {
+        mx[r][i] = i == 0 ? row_max[r] : -INFINITY;
+        sums[r][i] = 0.f;
+      }
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        mx[r][c % kChains] = fmaxf(mx[r][c % kChains], scores(r, c));
+        const float p = exp2f(scores(r, c) * scale_log2 - old_scaled[r]);
+        probs(r, c) = P(p);
+        sums[r][c % kChains] += p;
+      }
+    }
+    float new_max[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int i = 1; i < kChains; ++i) mx[r][0] = fmaxf(mx[r][0], mx[r][i]);
+      new_max[r] = quad_max(mx[r][0]);
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float old = row_max[r];
+      const float m = new_max[r];
+      // As update_scores: the old max stays while the new one is within the slack (false for an
+      // old max of -inf and a finite new one; an old max of -inf that stays is exact: all p = 0).
+      if (m == old || (m - old) * scale_log2 <= slack_log2) {
+        correction[r] = 1.f;
+      } else {
+        const float m_scaled = m * scale_log2;  // m is finite here (m > old)
+        correction[r] = exp2f(old * scale_log2 - m_scaled);
+        row_max[r] = m;
+        CUTE_UNROLL
+        for (int i = 0; i < kChains; ++i) sums[r][i] = 0.f;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) {
+          const float p = exp2f(scores(r, c) * scale_log2 - m_scaled);
+          probs(r, c) = P(p);
+          sums[r][c % kChains] += p;
+        }
+      }
+      float sum = sums[r][0];
+      CUTE_UNROLL
+      for (int i = 1; i < kChains; ++i) sum += sums[r][i];
+      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+  }
+
   template <typename TensorO>
   __device__ __forceinline__ void rescale(TensorO& acc_o, const float (&correction)[kRows]) {
     using namespace cute;
