@@ -84,10 +84,6 @@ struct FwdParams {
   // multiple of kBlockM fall into the shortest tile, not the longest (sm90/fwd_kernel.cuh).
   // On by default; FLASH_EXT_SM90_ALIGN_END=0 turns it off (for measurements and tests).
   bool sm90_align_end;
-  // Hopper kernel (two consumer warpgroups, d <= 192): exponentials against the current row max
-  // while the block's max is computed (common/softmax.h update_scores_speculative). On by
-  // default; FLASH_EXT_SM90_SPECULATE=0 turns it off (for measurements and tests).
-  bool sm90_speculate;
   // Rows (a multiple of 64) by which the first query tile starts before row 0; set by the launch.
   int sm90_row_shift;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h

@@ -325,12 +325,11 @@ def test_varlen_cuda_graph_capture():
 # off at d = 256 without a mask; per tile; off) on the persistent
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
 # sections (all heads in one section) and with them whatever the bandwidth estimate says, and
-# causal tiles from row 0 instead of aligned to end at seqlen_q, and the exponentials after the
-# row max instead of beside it (the speculative softmax must give the same bits).
+# causal tiles from row 0 instead of aligned to end at seqlen_q.
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
     dict(PINGPONG="1"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"), dict(HEAD_SECTIONS="0"),
-    dict(HEAD_SECTIONS="always"), dict(ALIGN_END="0"), dict(SPECULATE="0")]
-SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "SPECULATE")
+    dict(HEAD_SECTIONS="always"), dict(ALIGN_END="0")]
+SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END")
 
 
 def _sm90_or_skip(fwd_path):
@@ -454,7 +453,6 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, fwd_path, monkeypatc
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
-    ("FLASH_EXT_SM90_SPECULATE", "on", "FLASH_EXT_SM90_SPECULATE must be 0 or 1"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

@@ -21,7 +21,6 @@ Variants (environment variables read by flash_api.cpp at each call):
   alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
   alt_nopp  alt_tile without ping-pong
   pp        FLASH_EXT_SM90_PINGPONG=1 (ping-pong forced on; auto has it off at d = 256 without a mask)
-  nospec    FLASH_EXT_SM90_SPECULATE=0 (exponentials after the block's row max, not beside it)
   row0      FLASH_EXT_SM90_ALIGN_END=0 (causal query tiles from row 0, not aligned to end at seqlen_q)
 The variants of one row and cuDNN are timed in turns, --rounds times, in an order rotated from
 round to round, and each reports its median over the rounds, so that clock and thermal drift
@@ -63,7 +62,6 @@ VARIANTS = {
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
     "pp": {"FLASH_EXT_SM90_PINGPONG": "1"},
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
-    "nospec": {"FLASH_EXT_SM90_SPECULATE": "0"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -190,10 +190,7 @@ __device__ __forceinline__ int tile_ring_pop(Storage& ss, int k) {
 
 }  // namespace fwd_detail
 
-// kSpeculate: the main loop's softmax takes the exponentials against the current row max while
-// it computes the block's max (OnlineSoftmax::update_scores_speculative), into a second P
-// register tile.
-template <typename Traits, bool kHasWindow, bool kSpeculate>
+template <typename Traits, bool kHasWindow>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fwd_detail;
@@ -420,21 +417,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       };
       Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
       Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
-      // kSpeculate: the next block's P, written by the softmax while rP is still read by the P V
-      // in flight, and moved into rP once that GEMM is done.
-      Tensor rP_next = make_tensor<Element>(rP.layout());
-      Tensor probs_next = make_tensor(rP_next.data(), gmma_acc_as_rows_cols(rP_next.layout()));
       float correction[kRows];
 
       auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
         if (mask.needs_mask_rows(row0, n_block)) mask.apply_rows(scores, cS_rows, row0, n_block);
-        if constexpr (kSpeculate && !decltype(is_first)::value) {
-          softmax.template update_scores_speculative<4>(scores, probs_next, scale_log2, correction, rescale_slack_log2);
-        } else {
-          softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
-        }
+        softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
       };
 
       int n_block = n_max - 1;
@@ -483,12 +472,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         warpgroup_fence_operand(acc_o);
         pipeline_v.consumer_release(read_v);
         ++read_v;
-        if constexpr (kSpeculate) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(rP); ++i) rP(i) = rP_next(i);
-        } else {
-          convert_into(rP, acc_s);
-        }
+        convert_into(rP, acc_s);
       }
       ++q_loads;
       pipeline_v.consumer_wait(read_v);

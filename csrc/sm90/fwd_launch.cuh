@@ -49,13 +49,7 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  // The speculative softmax keeps a second P tile in registers: it fits the two-warpgroup tiles
-  // up to d = 192 (the 160-register 192-row tile and d = 256 would spill).
-  using Kernel = void (*)(const FwdArgs<Traits>);
-  Kernel kernel = &fwd_kernel<Traits, kHasWindow, false>;
-  if constexpr (Traits::kConsumerWGs == 2 && Traits::kHeadDim <= 192) {
-    if (p.sm90_speculate) kernel = &fwd_kernel<Traits, kHasWindow, true>;
-  }
+  auto kernel = &fwd_kernel<Traits, kHasWindow>;
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
