@@ -86,6 +86,10 @@ struct FwdParams {
   bool sm90_align_end;
   // Rows (a multiple of 64) by which the first query tile starts before row 0; set by the launch.
   int sm90_row_shift;
+  // Hopper forward: the consumers' main-loop order (sm90/fwd_kernel.cuh kLoop*): -1 auto (the
+  // launch picks per head dim and mask), else kLoopOverlap, kLoopPvFirst or kLoopNoVote.
+  // FLASH_EXT_SM90_LOOP=overlap|pv_first|novote forces one (A/B runs, tests).
+  int sm90_loop;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
   // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).
   int num_sms;

@@ -28,6 +28,13 @@
 
 namespace flash_ext::sm90 {
 
+// Main-loop orders of the consumers (FwdParams::sm90_loop, picked per head dim by the launch;
+// docs/kernels-sm90.md). kLoopOverlap: the softmax of block j runs under this warpgroup's own
+// P V GEMM of block j + 1, and O is rescaled in a branch on a warpgroup vote. kLoopPvFirst: both
+// GEMMs of a turn are waited for before the softmax, which then runs under the other
+// warpgroups' GEMMs only. kLoopNoVote: as kLoopOverlap without the vote, O rescaled every block.
+constexpr int kLoopOverlap = 0, kLoopPvFirst = 1, kLoopNoVote = 2;
+
 using namespace cute;
 
 // Everything the kernel needs, passed by value as a __grid_constant__ parameter: the plain
@@ -387,6 +394,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   auto next_tile = [&](int t) { return dynamic ? tile_ring_pop(ss, tiles_popped++) : t + int(gridDim.x); };
   PipelineState read_k, read_v;
   int q_loads = 0;
+  // Main-loop order (params.h sm90_loop, picked per head dim by the launch).
+  const int loop_order = p.sm90_loop;
   if (pp_carry && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
   for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
        t = next_tile(t)) {
@@ -449,12 +458,39 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
         warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
         turn_end();
+        if (loop_order == kLoopPvFirst) {
+          // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_s);
+          warpgroup_fence_operand(acc_o);
+          pipeline_k.consumer_release(read_k);
+          ++read_k;
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+          release_q_after(n_block);
+          scores_to_probs(acc_s, n_block, cute::false_type{});
+          if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
+          convert_into(rP, acc_s);
+          continue;
+        }
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
         warpgroup_fence_operand(acc_s);
         pipeline_k.consumer_release(read_k);
         ++read_k;
         release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::false_type{});
+        if (loop_order == kLoopNoVote) {
+          // FlashAttention-4's order: wait for P V after the softmax, convert P, rescale O
+          // always (by exactly 1 in rows whose max stayed). The branch on loop_order keeps
+          // ptxas from hoisting the wait above the softmax, as the vote does below.
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_o);
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+          convert_into(rP, acc_s);
+          softmax.rescale(o_rows, correction);
+          continue;
+        }
         // The wait for P V comes after the softmax in the source, but ptxas, which sees no
         // dependency between them, hoisted it above the softmax (SASS: WARPGROUP.DEPBAR right
         // after the row max), so the softmax ran after P V instead of under it. A wait inside a

@@ -101,6 +101,15 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // too): its GEMMs are long and its softmax (80 columns) short, and on an H100 turning it off
   // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). FLASH_EXT_SM90_PINGPONG forces it.
   if (p.sm90_pingpong < 0) args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : 1;
+  // Main-loop order (fwd_kernel.cuh kLoop*; measured on an H100, docs/perf-notes.md session 6):
+  // d <= 64 waits for both GEMMs before the softmax (+7-15% without a mask, +1-6% causal: its
+  // tiles have the most softmax per GEMM); d = 128 under a mask drops the vote (+3-6% at 2k in two
+  // runs); the rest keep the softmax under the own P V GEMM. FLASH_EXT_SM90_LOOP forces one.
+  if (p.sm90_loop < 0) {
+    args.p.sm90_loop = Traits::kHeadDim <= 64                  ? kLoopPvFirst
+                       : Traits::kHeadDim == 128 && kHasWindow ? kLoopNoVote
+                                                               : kLoopOverlap;
+  }
   const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
