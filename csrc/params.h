@@ -54,9 +54,10 @@ struct FwdParams {
   uint64_t dropout_seed, dropout_offset;
 
   // Hopper kernel: order the consumer warpgroups' GEMMs (ping-pong). -1 (default): the launch
-  // picks 1, or 0 at d = 256 without a mask; 1 (FLASH_EXT_SM90_PINGPONG=1): on, the turns carry
-  // on across tiles; 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every tile;
-  // 0 (FLASH_EXT_SM90_PINGPONG=0): off. For measurements.
+  // picks 3 at d = 128, 0 at d = 256 without a mask, else 1; 1 (FLASH_EXT_SM90_PINGPONG=1): on,
+  // the turn passes right after a warpgroup's GEMM issue and the turns carry on across tiles;
+  // 3 (FLASH_EXT_SM90_PINGPONG=late): as 1, the turn passes once the warpgroup's S is done;
+  // 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every tile; 0: off.
   int sm90_pingpong;
   // Hopper kernel grid: -1 auto (= 1), 0 one CTA per tile, 1 persistent (static stride without a
   // mask; under a causal/local mask CTAs claim tiles from tile_counter).
@@ -87,8 +88,8 @@ struct FwdParams {
   // Rows (a multiple of 64) by which the first query tile starts before row 0; set by the launch.
   int sm90_row_shift;
   // Hopper forward: the consumers' main-loop order (sm90/fwd_kernel.cuh kLoop*): -1 auto (the
-  // launch picks per head dim and mask), else kLoopOverlap, kLoopPvFirst or kLoopNoVote.
-  // FLASH_EXT_SM90_LOOP=overlap|pv_first|novote forces one (A/B runs, tests).
+  // launch picks kLoopPvFirst at d <= 64, else kLoopOverlap), else kLoopOverlap, kLoopPvFirst or
+  // kLoopNoVote. FLASH_EXT_SM90_LOOP=overlap|pv_first|novote forces one (A/B runs, tests).
   int sm90_loop;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
   // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).

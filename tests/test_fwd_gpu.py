@@ -322,15 +322,17 @@ def test_varlen_cuda_graph_capture():
 
 # Environments of FLASH_EXT_SM90_* switches, each value read by flash_api.cpp per call: every
 # epilogue x grid pair with the defaults, then the ping-pong modes (forced on: the default has it
-# off at d = 256 without a mask; per tile; off) on the persistent
+# off at d = 256 without a mask; the late hand-over, d = 128's default; per tile; off) on the persistent
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
 # sections (all heads in one section) and with them whatever the bandwidth estimate says, and
 # causal tiles from row 0 instead of aligned to end at seqlen_q, and each main-loop order (the
-# order of waits, softmax and O rescale; the arithmetic is the same, so the results are too).
+# order of waits, softmax and O rescale; the arithmetic is the same, so the results are too),
+# each with the turn passed right after the issue and late.
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
-    dict(PINGPONG="1"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"), dict(HEAD_SECTIONS="0"),
+    dict(PINGPONG="1"), dict(PINGPONG="late"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
+    dict(HEAD_SECTIONS="0"),
     dict(HEAD_SECTIONS="always"), dict(ALIGN_END="0")] + [
-    dict(LOOP=order) for order in ("overlap", "pv_first", "novote")]
+    dict(LOOP=order, PINGPONG=pp) for order in ("overlap", "pv_first", "novote") for pp in ("1", "late")]
 SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "LOOP")
 
 
@@ -451,7 +453,7 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monk
 
 @pytest.mark.parametrize("var,value,message", [
     ("FLASH_EXT_SM90_FWD_TILE", "huge", "FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"),
-    ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1 or tile"),
+    ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1, tile or late"),
     ("FLASH_EXT_SM90_LAZY_RESCALE", "yes", "FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1"),
     ("FLASH_EXT_SM90_HEAD_SECTIONS", "on", "FLASH_EXT_SM90_HEAD_SECTIONS must be 0, 1 or always"),
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),

@@ -375,8 +375,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // every warpgroup's epilogue: the behaviour before 2026-11-22), 0 turns ping-pong off.
   constexpr int kWGs = Traits::kConsumerWGs;
   const bool pingpong = kWGs >= 2 && p.sm90_pingpong != 0;
-  const bool pp_carry = pingpong && p.sm90_pingpong == 1;
+  const bool pp_carry = pingpong && (p.sm90_pingpong == 1 || p.sm90_pingpong == 3);
   const bool pp_per_tile = pingpong && !pp_carry;
+  // Late hand-over (p.sm90_pingpong 3, d = 128's default): the turn passes once this warpgroup's
+  // S (overlap, novote) or both GEMMs (pv_first) are done, not right after its issue, so the next
+  // warpgroup's wgmma issue stalls on the tensor pipe for less of this warpgroup's softmax (a
+  // clock64 timeline showed the softmax at half speed beside such a stall; docs/perf-notes.md).
+  const bool pp_late = pingpong && p.sm90_pingpong == 3;
   const int consumer_wg = warp_group - 1;
   auto turn_begin = [&]() { if (pingpong) named_barrier_sync(1 + consumer_wg, 256); };
   auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (consumer_wg + 1) % kWGs, 256); };
@@ -457,10 +462,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         turn_begin();
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
         warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-        turn_end();
+        if (!pp_late) turn_end();
         if (loop_order == kLoopPvFirst) {
           // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
           warpgroup_wait<0>();
+          if (pp_late) turn_end();
           warpgroup_fence_operand(acc_s);
           warpgroup_fence_operand(acc_o);
           pipeline_k.consumer_release(read_k);
@@ -474,6 +480,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           continue;
         }
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
+        if (pp_late) turn_end();
         warpgroup_fence_operand(acc_s);
         pipeline_k.consumer_release(read_k);
         ++read_k;

@@ -99,17 +99,19 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   args.p.sm90_row_shift = align_end ? (m_blocks * Traits::kBlockM - p.seqlen_q) / 64 * 64 : 0;
   // Ping-pong by default except at d = 256 without a mask (FlashAttention-4 has it off at d = 256
   // too): its GEMMs are long and its softmax (80 columns) short, and on an H100 turning it off
-  // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). FLASH_EXT_SM90_PINGPONG forces it.
-  if (p.sm90_pingpong < 0) args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : 1;
+  // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). At d = 128 the turn passes once
+  // S is done rather than right after the issue ("late": +1.5-3% without a mask, +1-7% causal,
+  // one H100 run of 5 rounds; neutral at d = 64, -1 to -4% at d = 256). FLASH_EXT_SM90_PINGPONG
+  // forces a mode.
+  if (p.sm90_pingpong < 0) {
+    args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : Traits::kHeadDim == 128 ? 3 : 1;
+  }
   // Main-loop order (fwd_kernel.cuh kLoop*; measured on an H100, docs/perf-notes.md session 6):
   // d <= 64 waits for both GEMMs before the softmax (+7-15% without a mask, +1-6% causal: its
-  // tiles have the most softmax per GEMM); d = 128 under a mask drops the vote (+3-6% at 2k in two
-  // runs); the rest keep the softmax under the own P V GEMM. FLASH_EXT_SM90_LOOP forces one.
-  if (p.sm90_loop < 0) {
-    args.p.sm90_loop = Traits::kHeadDim <= 64                  ? kLoopPvFirst
-                       : Traits::kHeadDim == 128 && kHasWindow ? kLoopNoVote
-                                                               : kLoopOverlap;
-  }
+  // tiles have the most softmax per GEMM); the rest keep the softmax under the own P V GEMM
+  // (kLoopNoVote, FlashAttention-4's order, won and lost by a few % at d = 128 across three runs).
+  // FLASH_EXT_SM90_LOOP forces one.
+  if (p.sm90_loop < 0) args.p.sm90_loop = Traits::kHeadDim <= 64 ? kLoopPvFirst : kLoopOverlap;
   const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
