@@ -375,13 +375,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // every warpgroup's epilogue: the behaviour before 2026-11-22), 0 turns ping-pong off.
   constexpr int kWGs = Traits::kConsumerWGs;
   const bool pingpong = kWGs >= 2 && p.sm90_pingpong != 0;
-  const bool pp_carry = pingpong && (p.sm90_pingpong == 1 || p.sm90_pingpong == 3);
+  const bool pp_carry = pingpong && p.sm90_pingpong == 1;
   const bool pp_per_tile = pingpong && !pp_carry;
-  // Late hand-over (p.sm90_pingpong 3, d = 128's default): the turn passes once this warpgroup's
+  // Late hand-over (p.sm90_pp_late, d = 128's default): the turn passes once this warpgroup's
   // S (overlap, novote) or both GEMMs (pv_first) are done, not right after its issue, so the next
   // warpgroup's wgmma issue stalls on the tensor pipe for less of this warpgroup's softmax (a
   // clock64 timeline showed the softmax at half speed beside such a stall; docs/perf-notes.md).
-  const bool pp_late = pingpong && p.sm90_pingpong == 3;
+  // Compiled at d = 128 only: elsewhere the extra state tipped ptxas into spills (the 160-register
+  // 192-row d = 64 tile, d = 256 under masks).
+  const bool pp_late = Traits::kHeadDim == 128 && pp_carry && p.sm90_pp_late;
   const int consumer_wg = warp_group - 1;
   auto turn_begin = [&]() { if (pingpong) named_barrier_sync(1 + consumer_wg, 256); };
   auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (consumer_wg + 1) % kWGs, 256); };

@@ -106,6 +106,9 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   if (p.sm90_pingpong < 0) {
     args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : Traits::kHeadDim == 128 ? 3 : 1;
   }
+  // Mode 3 (late) is mode 1 plus the late hand-over, which the kernel has at d = 128 only.
+  args.p.sm90_pp_late = args.p.sm90_pingpong == 3;
+  if (args.p.sm90_pingpong == 3) args.p.sm90_pingpong = 1;
   // Main-loop order (fwd_kernel.cuh kLoop*; measured on an H100, docs/perf-notes.md session 6):
   // d <= 64 waits for both GEMMs before the softmax (+7-15% without a mask, +1-6% causal: its
   // tiles have the most softmax per GEMM); the rest keep the softmax under the own P V GEMM
