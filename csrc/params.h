@@ -56,9 +56,9 @@ struct FwdParams {
   // Hopper kernel: order the consumer warpgroups' GEMMs (ping-pong). -1 (default): the launch
   // picks 3 at d = 128, 0 at d = 256 without a mask, else 1; 1 (FLASH_EXT_SM90_PINGPONG=1): on,
   // the turn passes right after a warpgroup's GEMM issue and the turns carry on across tiles;
-  // 3 (FLASH_EXT_SM90_PINGPONG=late): as 1, the turn passes once the warpgroup's S is done (d = 128;
-  // elsewhere as 1);
-  // 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every tile; 0: off.
+  // 3 (FLASH_EXT_SM90_PINGPONG=late): as 1, the turn passes once the warpgroup's S is done
+  // (d = 128; elsewhere as 1); 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every
+  // tile; 0: off.
   int sm90_pingpong;
   // Set by the launch from sm90_pingpong 3: the late hand-over (kernel: d = 128 only).
   bool sm90_pp_late;

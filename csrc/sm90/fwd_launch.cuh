@@ -100,9 +100,9 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // Ping-pong by default except at d = 256 without a mask (FlashAttention-4 has it off at d = 256
   // too): its GEMMs are long and its softmax (80 columns) short, and on an H100 turning it off
   // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). At d = 128 the turn passes once
-  // S is done rather than right after the issue ("late": +1.5-3% without a mask, +1-7% causal,
-  // one H100 run of 5 rounds; neutral at d = 64, -1 to -4% at d = 256). FLASH_EXT_SM90_PINGPONG
-  // forces a mode.
+  // S is done rather than right after the issue ("late": +1.5-3% without a mask in one H100 run
+  // of 5 rounds, -0.3 to -2.4% in a second: even within the noise; neutral at d = 64, -1 to -4%
+  // at d = 256). FLASH_EXT_SM90_PINGPONG forces a mode.
   if (p.sm90_pingpong < 0) {
     args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : Traits::kHeadDim == 128 ? 3 : 1;
   }
