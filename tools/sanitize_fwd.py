@@ -4,8 +4,9 @@
 
 tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CTAs run several
 tiles: the Q slabs, the O tile, the tile ring and the ping-pong turns are reused across tiles),
-on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried and per-tile
-ping-pong, causal and local (claimed tiles) and not (static stride).
+on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried (with d = 128's
+late hand-over) and per-tile ping-pong, causal and local (claimed tiles) and not (static stride),
+each head dim in its default main-loop order (pv_first at d = 64, overlap otherwise).
 """
 import os
 import sys
@@ -21,7 +22,7 @@ if len(sys.argv) > 2 and sys.argv[2] == "tiles":
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for tile in ("alt", "base"):
         os.environ["FLASH_EXT_SM90_FWD_TILE"] = tile
-        for pingpong in ("1", "tile"):
+        for pingpong in ("late", "tile"):  # late: carried turns (+ the late hand-over at d = 128)
             os.environ["FLASH_EXT_SM90_PINGPONG"] = pingpong
             for d in [int(sys.argv[3])] if len(sys.argv) > 3 else (64, 128, 256):  # one: racecheck is slow
                 s = 700  # 4-6 query blocks per head, the last one partial
