@@ -46,8 +46,8 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int i = 1; i < kChains; ++i) mx[0] = fmaxf(mx[0], mx[i]);
       float m = quad_max(mx[0]);
-      // Keep the old max while the new one is within the slack (false for an old max of -inf).
-      // (With slack 0 this keeps an equal max; the comparison is false for an old max of -inf.)
+      // Keep the old max while the new one is within the slack (with slack 0: an equal max). The
+      // comparison is false for an old max of -inf.
       if constexpr (!kFirstBlock) {
         if ((m - row_max[r]) * scale_log2 <= slack_log2) m = row_max[r];
       }

@@ -92,8 +92,8 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // tile's computed / visible scores at s = 2k / 4k: 1.18 / 1.13 from row 0, 1.12 / 1.06 aligned
   // to the end). A multiple of 64 rows, so Q and O boxes of 64 rows stay whole: boxes wholly
   // before row 0 are filled with zeros by the TMA load and not stored (a TMA store with a
-  // negative start row faults: illegal instruction). Fixed-length
-  // batches only (a varlen box before row 0 would read the previous sequence).
+  // negative start row faults: illegal instruction). Fixed-length batches only (a varlen box
+  // before row 0 would read the previous sequence).
   const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const bool align_end = kHasWindow && p.sm90_align_end && !varlen && p.window_left < 0 && p.window_right >= 0;
   args.p.sm90_row_shift = align_end ? (m_blocks * Traits::kBlockM - p.seqlen_q) / 64 * 64 : 0;
