@@ -81,8 +81,13 @@ struct FwdParams {
   // plain order would need much HBM bandwidth (sm90/fwd_launch.cuh); 2
   // (FLASH_EXT_SM90_HEAD_SECTIONS=always): always; 0: never, longest first over all heads.
   int sm90_head_sections;
-  // (head, batch) pairs per section, set by the launch from the above and the L2 size.
+  // Section sizes, set by the launch from the above and the L2 size: the first sm90_section_big
+  // sections hold sm90_section_big_hb (head, batch) pairs, the rest sm90_section_hb (balanced:
+  // the two differ by one K/V head's query heads). 3 (FLASH_EXT_SM90_HEAD_SECTIONS=uneven, for
+  // measurements): as 1 with full sections and a smaller last one (the order before session 7).
   int sm90_section_hb;
+  int sm90_section_big;
+  int sm90_section_big_hb;
   // Hopper kernel under a causal mask (no left window, fixed-length batch): the query tiles end
   // at seqlen_q instead of starting at row 0, so the padding rows of a seqlen_q that is no
   // multiple of kBlockM fall into the shortest tile, not the longest (sm90/fwd_kernel.cuh).

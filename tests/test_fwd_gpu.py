@@ -324,14 +324,15 @@ def test_varlen_cuda_graph_capture():
 # epilogue x grid pair with the defaults, then the ping-pong modes (forced on: the default has it
 # off at d = 256 without a mask; the late hand-over, d = 128's default; per tile; off) on the persistent
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
-# sections (all heads in one section) and with them whatever the bandwidth estimate says, and
+# sections (all heads in one section), with them whatever the bandwidth estimate says, and in
+# uneven sizes (full sections and a smaller last one), and
 # causal tiles from row 0 instead of aligned to end at seqlen_q, and each main-loop order (the
 # order of waits, softmax and O rescale; the arithmetic is the same, so the results are too),
 # each with the turn passed right after the issue and late.
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
     dict(PINGPONG="1"), dict(PINGPONG="late"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
     dict(HEAD_SECTIONS="0"),
-    dict(HEAD_SECTIONS="always"), dict(ALIGN_END="0")] + [
+    dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0")] + [
     dict(LOOP=order, PINGPONG=pp) for order in ("overlap", "pv_first", "novote") for pp in ("1", "late")]
 SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "LOOP")
 
@@ -380,6 +381,10 @@ SM90_SWITCH_CASES = [
     # 2 MB of K/V per head, 72 (head, batch) pairs: with a 50 MB L2 (H100, H200) the causal
     # order runs in 6 head sections (under HEAD_SECTIONS=always, and by default on both GPUs)
     (torch.bfloat16, 2, 2048, 2048, 36, 36, 256, dict(causal=True)),
+    # GQA in uneven sections: 26 (K/V head, batch) pairs of 2 MB, at most 12 per section, so 3
+    # sections of 9, 9 and 8 K/V heads (18, 18, 16 query-head pairs; HEAD_SECTIONS=uneven: 24,
+    # 24, 4), by default on the H100 (26 streams above a quarter of 3.35 TB/s) and under always.
+    (torch.bfloat16, 2, 2048, 2048, 26, 13, 256, dict(causal=True)),
     # Causal tiles aligned to end at seqlen_q (ALIGN_END, default on): 9 x 128 - 1050 = 102, so the
     # first tile starts 64 rows before row 0; with sk > sq those rows would see keys (no output).
     (torch.bfloat16, 2, 1050, 1300, 8, 8, 128, dict(causal=True)),
@@ -455,7 +460,7 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monk
     ("FLASH_EXT_SM90_FWD_TILE", "huge", "FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"),
     ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1, tile or late"),
     ("FLASH_EXT_SM90_LAZY_RESCALE", "yes", "FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1"),
-    ("FLASH_EXT_SM90_HEAD_SECTIONS", "on", "FLASH_EXT_SM90_HEAD_SECTIONS must be 0, 1 or always"),
+    ("FLASH_EXT_SM90_HEAD_SECTIONS", "on", "FLASH_EXT_SM90_HEAD_SECTIONS must be 0, 1, always or uneven"),
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),

@@ -17,6 +17,7 @@ Variants (environment variables read by flash_api.cpp at each call):
   eager     FLASH_EXT_SM90_LAZY_RESCALE=0 (O rescaled whenever a row's max grows)
   no_sect   FLASH_EXT_SM90_HEAD_SECTIONS=0 (masked tiles longest first over all heads)
   sect      FLASH_EXT_SM90_HEAD_SECTIONS=always (head sections whatever the bandwidth estimate)
+  uneven    FLASH_EXT_SM90_HEAD_SECTIONS=uneven (full sections and a smaller last one: before session 7)
   base      FLASH_EXT_SM90_FWD_TILE=base (d = 64: 128 x 128 tiles, d = 256: 128 x 64)
   alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
   alt_nopp  alt_tile without ping-pong
@@ -62,6 +63,7 @@ VARIANTS = {
     "eager": {"FLASH_EXT_SM90_LAZY_RESCALE": "0"},
     "no_sect": {"FLASH_EXT_SM90_HEAD_SECTIONS": "0"},
     "sect": {"FLASH_EXT_SM90_HEAD_SECTIONS": "always"},
+    "uneven": {"FLASH_EXT_SM90_HEAD_SECTIONS": "uneven"},
     "base": {"FLASH_EXT_SM90_FWD_TILE": "base"},
     "alt_tile": {"FLASH_EXT_SM90_FWD_TILE": "alt"},
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},

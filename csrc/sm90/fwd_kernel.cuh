@@ -113,23 +113,35 @@ __device__ __forceinline__ bool named_barrier_any(bool pred, int id, int threads
 // Order: without a mask, consecutive tiles are the query blocks of one (head, batch), so CTAs
 // running together share that head's K/V in L2. Under a causal/local mask tiles are ordered
 // longest first (query block descending), so the short tiles fill the tail, within sections of
-// `section` (head, batch) pairs whose K/V fit in half the L2 (p.sm90_section_hb, set by the
+// (head, batch) pairs whose K/V fit in half the L2 (p.sm90_section_hb, set by the
 // launch): longest first over all heads had every CTA of a wave on a different head at s = 2k
 // (128 heads x 1 MB of K/V at d = 128, beyond the L2), so each K/V block came from HBM, ~5 TB/s
-// at the tensor cores' pace. Sections end on whole tiles; the last one may be smaller.
+// at the tensor cores' pace. Section sizes differ by at most one K/V head's query heads (GQA: a
+// section holds whole K/V heads): the first `big` sections hold big_hb pairs, the rest hb
+// (launch: balanced sizes). With a full section of 12 pairs and a last one of 4 (d = 256 causal
+// 2k, 64 pairs), that last section's longest tile started only once all others were claimed,
+// and ran on alone: a tail of ~10% of the call.
 struct TileScheduler {
-  int num_m_blocks, heads, num_tiles, section;
+  int num_m_blocks, heads, num_tiles;
   bool longest_first;
-  __device__ __forceinline__ TileScheduler(int m_blocks, int h, int b, bool masked, int section_hb)
-      : num_m_blocks(m_blocks), heads(h), num_tiles(m_blocks * h * b), section(section_hb),
-        longest_first(masked) {}
+  // The section sizes are read from the kernel parameters (constant bank) where they are used:
+  // kept in registers, they made the 160-register 192-row d = 64 kernel spill.
+  const FwdParams& p;
+  __device__ __forceinline__ TileScheduler(int m_blocks, int h, int b, bool masked, const FwdParams& params)
+      : num_m_blocks(m_blocks), heads(h), num_tiles(m_blocks * h * b), longest_first(masked), p(params) {}
   __device__ __forceinline__ void tile(int t, int& m_block, int& head, int& batch) const {
     int hb;
     if (longest_first) {
-      const int heads_batches = num_tiles / num_m_blocks;
-      const int sec = t / (section * num_m_blocks);
-      const int first_hb = sec * section;
-      const int hb_count = min(section, heads_batches - first_hb);
+      const int big_hb = p.sm90_section_big_hb, small_hb = p.sm90_section_hb;
+      const int big_tiles = p.sm90_section_big * big_hb * num_m_blocks;
+      int first_hb, hb_count;
+      if (t < big_tiles) {
+        first_hb = t / (big_hb * num_m_blocks) * big_hb;
+        hb_count = big_hb;
+      } else {
+        first_hb = p.sm90_section_big * big_hb + (t - big_tiles) / (small_hb * num_m_blocks) * small_hb;
+        hb_count = small_hb;
+      }
       const int r = t - first_hb * num_m_blocks;
       m_block = num_m_blocks - 1 - r / hb_count;
       hb = first_hb + r % hb_count;
@@ -213,7 +225,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const FwdParams& p = args.p;
   const TileScheduler scheduler((p.seqlen_q + kBlockM - 1) / kBlockM, p.heads_q, p.batch, kHasWindow,
-                                p.sm90_section_hb);
+                                p);
   const int warp_group = threadIdx.x / 128;  // 0: producer
   const bool varlen = p.cu_seqlens_q != nullptr;
   // Tiles claimed from p.tile_counter (only under a mask; the launch sets it for a persistent grid).

@@ -65,25 +65,39 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // the L2 (TileScheduler); query heads sharing a K/V head (GQA) count once. Without the
   // sections (FLASH_EXT_SM90_HEAD_SECTIONS=0) one section holds every pair.
   const int heads_batches = p.heads_q * p.batch;
-  args.p.sm90_section_hb = heads_batches;
-  // Only where the plain order would need much HBM bandwidth (p.sm90_head_sections 1; 2: always).
-  // It runs the tiles of a wave on min(K/V heads x batch, SMs) K/V streams, each read by the
-  // CTAs on that head in step (neighbouring query blocks re-read a K/V block within a
-  // block-time): a CTA reads 2 * sizeof(Element) bytes of K/V per 4 * kBlockM FLOPs, so at
+  const int group = p.heads_q / p.heads_kv;
+  // Only where the plain order would need much HBM bandwidth (p.sm90_head_sections 1 and 3;
+  // 2: always). It runs the tiles of a wave on min(K/V heads x batch, SMs) K/V streams, each
+  // read by the CTAs on that head in step (neighbouring query blocks re-read a K/V block within
+  // a block-time): a CTA reads 2 * sizeof(Element) bytes of K/V per 4 * kBlockM FLOPs, so at
   // ~4.5 TFLOP/s per SM the streams need streams * 4.5e12 * sizeof(Element) / (2 * kBlockM)
-  // bytes/s from HBM. Sections where that exceeds half the device's bandwidth: more CTAs per head
-  // re-read its K/V from L2 over the section's whole run. Below that, the plain order was faster
-  // (sections lost 4-8% at s = 4k, heads x batch = 64, on an H200, docs/perf-notes.md); d = 256 at
-  // s = 2k (64 streams) ran 22% below cuDNN on the H100's 3.35 TB/s without them.
+  // bytes/s from HBM. Sections where that exceeds a quarter of the device's bandwidth. Under a
+  // sustained load the H100 runs at its 700 W cap, and HBM traffic costs clock: d = 256 causal 4k
+  // (32 streams, ~1.1 TB/s estimated) read 655 MB from HBM per call without sections, 208 MB
+  // with them, and ran at 1.52 vs 1.67 GHz, +4% (d = 128 causal 8k: +4%; session 7,
+  // docs/perf-notes.md). Below that (16 streams: d = 256 causal 8k, 16k rows) the plain order's
+  // HBM traffic is small and its single longest-first order has the shortest tail.
   const int64_t kv_streams = std::min<int64_t>(int64_t(p.heads_kv) * p.batch, sms);
   const double stream_bytes_per_s = 4.5e12 * sizeof(Element) / (2.0 * Traits::kBlockM);
   const bool bandwidth_bound = p.dram_bytes_per_s > 0
-                                   ? kv_streams * stream_bytes_per_s > 0.5 * p.dram_bytes_per_s
-                                   : 2 * heads_batches >= sms;  // no bandwidth reported: the H200's threshold
-  if (kHasWindow && (p.sm90_head_sections == 2 || (p.sm90_head_sections == 1 && bandwidth_bound))) {
+                                   ? kv_streams * stream_bytes_per_s > 0.25 * p.dram_bytes_per_s
+                                   : 2 * heads_batches >= sms;  // no bandwidth reported: the H200's old threshold
+  int units = heads_batches / group, sections = 1;  // units: (K/V head, batch) pairs
+  if (kHasWindow && (p.sm90_head_sections == 2 || (p.sm90_head_sections != 0 && bandwidth_bound))) {
     const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.seqlen_k) * p.head_dim * 2 * int64_t(sizeof(Element)));
-    const int64_t kv_heads = std::max<int64_t>(1, int64_t(l2_bytes / 2) / kv_head_bytes);
-    args.p.sm90_section_hb = int(std::min<int64_t>(heads_batches, kv_heads * (p.heads_q / p.heads_kv)));
+    const int max_units = int(std::max<int64_t>(1, std::min<int64_t>(units, int64_t(l2_bytes / 2) / kv_head_bytes)));
+    sections = (units + max_units - 1) / max_units;
+    if (p.sm90_head_sections == 3) {  // uneven: full sections, the last one smaller
+      args.p.sm90_section_big = sections - 1;
+      args.p.sm90_section_big_hb = max_units * group;
+      args.p.sm90_section_hb = (units - (sections - 1) * max_units) * group;
+      sections = 0;
+    }
+  }
+  if (sections > 0) {  // balanced: the first units % sections sections get one K/V head more
+    args.p.sm90_section_hb = units / sections * group;
+    args.p.sm90_section_big = units % sections;
+    args.p.sm90_section_big_hb = args.p.sm90_section_hb + group;
   }
   // Causal tiles (no left window) aligned to end at seqlen_q: with a seqlen_q that is no multiple
   // of kBlockM (the 192-row tile: 2k = 10 2/3 tiles) the padding rows, which cost a whole
