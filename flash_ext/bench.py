@@ -25,7 +25,10 @@ a config runs --rounds rounds (3; 1 with --quick), each timing every backend in 
 rotated from round to round), and keeps each backend's median round, so that clock and power
 drift during a config hit all backends alike instead of whichever ran last. The L2 cache is not
 flushed between calls: every config moves at least 3 x 64 MiB of q, k, v, several times the L2,
-so a warm cache changes little.
+so a warm cache changes little. --warmup-s S adds S seconds of back-to-back calls before each
+backend's timed calls: by default a round times a short burst, which an idle GPU runs at its
+top clock; a training loop runs at the power cap (an H100: 700 W, 1.5-1.9 GHz), where a backend
+that spends less energy per FLOP keeps a higher clock.
 
 Memory: "extra MiB" is the peak memory allocated during one flash_ext call minus what was
 allocated before it (inputs, and for bwd also out, lse, dout and what autograd saved) and minus
@@ -52,6 +55,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -250,6 +254,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
     p.add_argument("--reps", type=int, default=None, help="timed calls per backend (median)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first")
+    p.add_argument("--warmup-s", type=float, default=0.0,
+                   help="seconds of back-to-back calls before each backend's timed calls, in "
+                        "every round (default 0: a burst from a cool GPU; ~1 s reaches the power-"
+                        "capped steady state of a training loop)")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds per config, backends timed in turn in each (median round; "
                         "default 3, 1 with --quick)")
@@ -271,6 +279,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--reps must be >= 1")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.warmup_s < 0:
+        p.error("--warmup-s must be >= 0")
     args.causal_modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     return args
 
@@ -357,11 +367,21 @@ def _env(**values):
                 os.environ[k] = v
 
 
-def time_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
-    """Median milliseconds of ``reps`` calls (each between two CUDA events) after ``warmup``."""
+def time_ms(fn: Callable[[], object], reps: int, warmup: int, warmup_s: float = 0.0) -> float:
+    """Median milliseconds of ``reps`` calls (each between two CUDA events) after ``warmup``
+    calls, and then after ``warmup_s`` seconds of back-to-back calls (0: none)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    if warmup_s > 0:
+        # Back-to-back calls until the GPU has run this backend for warmup_s seconds: under a
+        # sustained load an H100 sits at its power cap, at a lower clock than a short burst from
+        # an idle GPU gets, and a backend's clock there depends on its energy per FLOP.
+        t_end = time.perf_counter() + warmup_s
+        while time.perf_counter() < t_end:
+            for _ in range(4):
+                fn()
+            torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
@@ -401,7 +421,7 @@ def rotated(names: Sequence[str], round_index: int) -> list[str]:
     return list(names[shift:]) + list(names[:shift])
 
 
-def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cuda") -> Row:
+def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cuda", warmup_s: float = 0.0) -> Row:
     """Times every backend on one config: ``rounds`` rounds, each backend in turn in each round
     (in an order rotated from round to round; median of ``reps`` calls after ``warmup``), and
     keeps each backend's median round."""
@@ -420,7 +440,7 @@ def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cud
             try:
                 if name not in fns:
                     fns[name] = make_backend_fn(name, cfg.direction, q, k, v, cfg.causal)
-                times[name].append(time_ms(fns[name], reps, warmup))
+                times[name].append(time_ms(fns[name], reps, warmup, warmup_s))
             except Exception as e:  # a peer (or flash_ext) rejecting a shape is data, not a crash
                 row.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 fns.pop(name, None)
@@ -508,7 +528,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"round(s) of every backend in turn")
     rows = []
     for cfg in configs:
-        row = run_config(cfg, args.reps, args.warmup, args.rounds)
+        row = run_config(cfg, args.reps, args.warmup, args.rounds, warmup_s=args.warmup_s)
         rows.append(row)
         print(f"  {cfg.name}: " + ", ".join(f"{n} {_fmt(row.tflops.get(n))}" for n in BACKEND_NAMES),
               flush=True)

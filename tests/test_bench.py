@@ -63,6 +63,9 @@ def test_parse_args_quick_and_lists():
     assert bench.parse_args(["--quick", "--rounds", "5"]).rounds == 5
     with pytest.raises(SystemExit):
         bench.parse_args(["--rounds", "0"])
+    assert a.warmup_s == 0.0 and bench.parse_args(["--warmup-s", "1.5"]).warmup_s == 1.5
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--warmup-s", "-1"])
     assert a.directions == ["fwd", "bwd", "fwdbwd"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--dtypes", "fp32"])
