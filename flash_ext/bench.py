@@ -524,7 +524,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configs = make_configs(args.dtypes, args.hdims, args.seqlens, args.causal_modes,
                            args.directions)
     print(f"{len(configs)} configs on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"median of {args.reps} calls after {args.warmup} warmup, median of {args.rounds} "
+          f"median of {args.reps} calls after {args.warmup} warmup"
+          f"{f' and {args.warmup_s:g} s of back-to-back calls' if args.warmup_s else ''}, median of {args.rounds} "
           f"round(s) of every backend in turn")
     rows = []
     for cfg in configs:
