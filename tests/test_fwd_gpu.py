@@ -322,7 +322,7 @@ def test_varlen_cuda_graph_capture():
 
 # Environments of FLASH_EXT_SM90_* switches, each value read by flash_api.cpp per call: every
 # epilogue x grid pair with the defaults, then the ping-pong modes (forced on: the default has it
-# off at d = 256 without a mask; the late hand-over, d = 128's default; per tile; off) on the persistent
+# off at d = 256 without a mask; the late hand-over at d = 128; per tile; off) on the persistent
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
 # sections (all heads in one section), with them whatever the bandwidth estimate says, and in
 # uneven sizes (full sections and a smaller last one), and

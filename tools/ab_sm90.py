@@ -22,12 +22,12 @@ Variants (environment variables read by flash_api.cpp at each call):
   alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
   alt_nopp  alt_tile without ping-pong
   pp        FLASH_EXT_SM90_PINGPONG=1 (ping-pong forced on, the turn passed right after the issue;
-            auto has it off at d = 256 without a mask and late at d = 128)
+            auto has it off at d = 256 without a mask)
   row0      FLASH_EXT_SM90_ALIGN_END=0 (causal query tiles from row 0, not aligned to end at seqlen_q)
   overlap   FLASH_EXT_SM90_LOOP=overlap (softmax under the own P V GEMM, rescale after a vote)
   pv_first  FLASH_EXT_SM90_LOOP=pv_first (softmax after both GEMMs of a turn)
   novote    FLASH_EXT_SM90_LOOP=novote (as overlap without the vote, O rescaled every block)
-  late      FLASH_EXT_SM90_PINGPONG=late (the turn passes once S is done; auto at d = 128)
+  late      FLASH_EXT_SM90_PINGPONG=late (the turn passes once S is done; d = 128 only)
 The variants of one row and cuDNN are timed in turns, --rounds times, in an order rotated from
 round to round, and each reports its median over the rounds, so that clock and thermal drift
 hit all of them alike (cuDNN moved by up to 25% between runs: compare within one run).

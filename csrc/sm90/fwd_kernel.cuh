@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const bool pingpong = kWGs >= 2 && p.sm90_pingpong != 0;
   const bool pp_carry = pingpong && p.sm90_pingpong == 1;
   const bool pp_per_tile = pingpong && !pp_carry;
-  // Late hand-over (p.sm90_pp_late, d = 128's default): the turn passes once this warpgroup's
+  // Late hand-over (p.sm90_pp_late, FLASH_EXT_SM90_PINGPONG=late): the turn passes once this warpgroup's
   // S (overlap, novote) or both GEMMs (pv_first) are done, not right after its issue, so the next
   // warpgroup's wgmma issue stalls on the tensor pipe for less of this warpgroup's softmax (a
   // clock64 timeline showed the softmax at half speed beside such a stall; docs/perf-notes.md).

@@ -113,13 +113,11 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   args.p.sm90_row_shift = align_end ? (m_blocks * Traits::kBlockM - p.seqlen_q) / 64 * 64 : 0;
   // Ping-pong by default except at d = 256 without a mask (FlashAttention-4 has it off at d = 256
   // too): its GEMMs are long and its softmax (80 columns) short, and on an H100 turning it off
-  // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). At d = 128 the turn passes once
-  // S is done rather than right after the issue ("late": +1.5-3% without a mask in one H100 run
-  // of 5 rounds, -0.3 to -2.4% in a second: even within the noise; neutral at d = 64, -1 to -4%
-  // at d = 256). FLASH_EXT_SM90_PINGPONG forces a mode.
-  if (p.sm90_pingpong < 0) {
-    args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : Traits::kHeadDim == 128 ? 3 : 1;
-  }
+  // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). The turn passes right after
+  // the issue everywhere: the late hand-over ("late", d = 128 only) won +1.5-3% without a mask in
+  // one H100 run of 5 rounds and lost in three others (-0.3 to -2.7%, one of them sustained;
+  // docs/perf-notes.md sessions 6-7). FLASH_EXT_SM90_PINGPONG forces a mode.
+  if (p.sm90_pingpong < 0) args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : 1;
   // Mode 3 (late) is mode 1 plus the late hand-over, which the kernel has at d = 128 only.
   args.p.sm90_pp_late = args.p.sm90_pingpong == 3;
   if (args.p.sm90_pingpong == 3) args.p.sm90_pingpong = 1;
