@@ -233,7 +233,6 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   const std::string pingpong = env_choice("FLASH_EXT_SM90_PINGPONG", {"0", "1", "tile", "late"});
   p.sm90_pingpong = pingpong == "0" ? 0 : pingpong == "tile" ? 2 : pingpong == "1" ? 1 : pingpong == "late" ? 3 : -1;
   p.sm90_pp_late = false;  // set by the Hopper launch
-  p.sm90_edge_turns = env_choice("FLASH_EXT_SM90_EDGE_TURNS", {"0", "1"}) == "1";
   const std::string persistent = env_choice("FLASH_EXT_SM90_PERSISTENT", {"auto", "0", "1"});
   p.sm90_persistent = persistent == "0" ? 0 : persistent == "1" ? 1 : -1;
   p.sm90_tma_store_o = env_choice("FLASH_EXT_SM90_TMA_STORE", {"0", "1"}) != "0";

@@ -54,7 +54,7 @@ struct FwdParams {
   uint64_t dropout_seed, dropout_offset;
 
   // Hopper kernel: order the consumer warpgroups' GEMMs (ping-pong). -1 (default): the launch
-  // picks 0 at d = 256 without a mask, else 1; 1 (FLASH_EXT_SM90_PINGPONG=1): on,
+  // picks 3 at d = 128, 0 at d = 256 without a mask, else 1; 1 (FLASH_EXT_SM90_PINGPONG=1): on,
   // the turn passes right after a warpgroup's GEMM issue and the turns carry on across tiles;
   // 3 (FLASH_EXT_SM90_PINGPONG=late): as 1, the turn passes once the warpgroup's S is done
   // (d = 128; elsewhere as 1); 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every
@@ -62,11 +62,6 @@ struct FwdParams {
   int sm90_pingpong;
   // Set by the launch from sm90_pingpong 3: the late hand-over (kernel: d = 128 only).
   bool sm90_pp_late;
-  // Hopper kernel, ping-pong: whether a tile's first S = Q K^T and last O += P V are issued in
-  // turns too (FLASH_EXT_SM90_EDGE_TURNS=1, the order before session 7) or outside them (0, the
-  // default; FlashAttention-4's order: a warpgroup's first S and last P V wait for no other
-  // warpgroup's turn).
-  bool sm90_edge_turns;
   // Hopper kernel grid: -1 auto (= 1), 0 one CTA per tile, 1 persistent (static stride without a
   // mask; under a causal/local mask CTAs claim tiles from tile_counter).
   // FLASH_EXT_SM90_PERSISTENT=0/1 forces it (for measurements and tests).

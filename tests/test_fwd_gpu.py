@@ -328,15 +328,13 @@ def test_varlen_cuda_graph_capture():
 # uneven sizes (full sections and a smaller last one), and
 # causal tiles from row 0 instead of aligned to end at seqlen_q, and each main-loop order (the
 # order of waits, softmax and O rescale; the arithmetic is the same, so the results are too),
-# each with the turn passed right after the issue and late; and a tile's first S and last P V
-# issued in turns too (EDGE_TURNS=1, carried and per tile).
+# each with the turn passed right after the issue and late.
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
     dict(PINGPONG="1"), dict(PINGPONG="late"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
     dict(HEAD_SECTIONS="0"),
-    dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0"),
-    dict(EDGE_TURNS="1"), dict(EDGE_TURNS="1", PINGPONG="tile")] + [
+    dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0")] + [
     dict(LOOP=order, PINGPONG=pp) for order in ("overlap", "pv_first", "novote") for pp in ("1", "late")]
-SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "LOOP", "EDGE_TURNS")
+SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "LOOP")
 
 
 def _sm90_or_skip(fwd_path):
@@ -466,7 +464,6 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monk
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
-    ("FLASH_EXT_SM90_EDGE_TURNS", "yes", "FLASH_EXT_SM90_EDGE_TURNS must be 0 or 1"),
     ("FLASH_EXT_SM90_LOOP", "fast", "FLASH_EXT_SM90_LOOP must be auto, overlap, pv_first or novote"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])

@@ -17,7 +17,6 @@ Variants (environment variables read by flash_api.cpp at each call):
   eager     FLASH_EXT_SM90_LAZY_RESCALE=0 (O rescaled whenever a row's max grows)
   no_sect   FLASH_EXT_SM90_HEAD_SECTIONS=0 (masked tiles longest first over all heads)
   sect      FLASH_EXT_SM90_HEAD_SECTIONS=always (head sections whatever the bandwidth estimate)
-  edges     FLASH_EXT_SM90_EDGE_TURNS=1 (a tile's first S and last P V in ping-pong turns: before session 7)
   uneven    FLASH_EXT_SM90_HEAD_SECTIONS=uneven (full sections and a smaller last one: before session 7)
   base      FLASH_EXT_SM90_FWD_TILE=base (d = 64: 128 x 128 tiles, d = 256: 128 x 64)
   alt_tile  FLASH_EXT_SM90_FWD_TILE=alt (d = 64: 192 x 128 tiles, d = 256: 128 x 80)
@@ -65,7 +64,6 @@ VARIANTS = {
     "no_sect": {"FLASH_EXT_SM90_HEAD_SECTIONS": "0"},
     "sect": {"FLASH_EXT_SM90_HEAD_SECTIONS": "always"},
     "uneven": {"FLASH_EXT_SM90_HEAD_SECTIONS": "uneven"},
-    "edges": {"FLASH_EXT_SM90_EDGE_TURNS": "1"},
     "base": {"FLASH_EXT_SM90_FWD_TILE": "base"},
     "alt_tile": {"FLASH_EXT_SM90_FWD_TILE": "alt"},
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},

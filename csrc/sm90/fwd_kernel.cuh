@@ -380,12 +380,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // hands the turn over, so one warpgroup's softmax runs under the other's GEMMs. Turns are
   // named barriers: warpgroup w syncs on barrier 1 + w; the other arrives on it.
   // With three consumer warpgroups (d = 64's 192-row tile) the turn goes round: 0 -> 1 -> 2 -> 0.
-  // A turn covers the S = Q K^T of a key block and the P V of the one before; a tile's first S and
-  // last P V are issued outside the turns (FlashAttention-4's order), so a warpgroup starts a tile
-  // and finishes one without waiting for the other's turn (p.sm90_edge_turns: in turns too, the
-  // order before session 7). Every warpgroup takes the same number of turns per tile (one per key
-  // block after the first, two more with edge turns), so the rotation carries on across tiles
-  // (p.sm90_pingpong 1).
+  // Every warpgroup takes the same number of turns per tile (one per key block, plus one), so the
+  // rotation carries on across tiles (p.sm90_pingpong 1): warpgroup 0 issues the next tile's first
+  // S = Q K^T right after the last warpgroup's last P V, under that warpgroup's epilogue.
   // p.sm90_pingpong 2 re-synchronises the warpgroups at every tile (turn 0 to warpgroup 0 after
   // every warpgroup's epilogue: the behaviour before 2026-11-22), 0 turns ping-pong off.
   constexpr int kWGs = Traits::kConsumerWGs;
@@ -461,9 +458,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       {
         Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         pipeline_k.consumer_wait(read_k);
-        if (p.sm90_edge_turns) turn_begin();
+        turn_begin();
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-        if (p.sm90_edge_turns) turn_end();
+        turn_end();
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
         pipeline_k.consumer_release(read_k);
@@ -536,9 +533,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       }
       ++q_loads;
       pipeline_v.consumer_wait(read_v);
-      if (p.sm90_edge_turns) turn_begin();
+      turn_begin();
       warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-      if (p.sm90_edge_turns) turn_end();
+      turn_end();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       pipeline_v.consumer_release(read_v);
