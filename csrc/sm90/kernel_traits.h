@@ -27,10 +27,9 @@ struct FwdTraits {
   static constexpr int kMmaThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kMmaThreads + 128;  // + one producer warpgroup
   // setmaxnreg: the producer gives its registers to the consumers (sum * 128 <= 64K).
-  // The pool is what the launch gave the CTA: 168 registers x 384 threads = 64512 with two
-  // consumer warpgroups, exactly 128 x 24 + 256 x 240. (32 for the producer made the consumers'
-  // setmaxnreg wait forever: a hang.) The cluster kernels' producer spills a few words at 24.
-  static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
+  // 32 (not 24) with two consumer warpgroups in a cluster: the multicast loads spilled at 24
+  // (128 x 32 + 256 x 240 is still exactly 64K).
+  static constexpr int kProducerRegs = kConsumerWGs == 2 && kClusterM == 1 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
 
   // Split-Q by warpgroup: consumer warpgroup w owns query rows [64w, 64w + 64).
