@@ -246,8 +246,6 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.sm90_row_shift = 0;  // set by the Hopper launch
   const std::string loop = env_choice("FLASH_EXT_SM90_LOOP", {"auto", "overlap", "pv_first", "novote"});
   p.sm90_loop = loop == "overlap" ? 0 : loop == "pv_first" ? 1 : loop == "novote" ? 2 : -1;  // sm90 kLoop*
-  const std::string cluster = env_choice("FLASH_EXT_SM90_CLUSTER", {"auto", "0", "1"});
-  p.sm90_cluster = cluster == "0" ? 0 : cluster == "1" ? 1 : -1;
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

@@ -99,10 +99,6 @@ struct FwdParams {
   // launch picks kLoopPvFirst at d <= 64, else kLoopOverlap), else kLoopOverlap, kLoopPvFirst or
   // kLoopNoVote. FLASH_EXT_SM90_LOOP=overlap|pv_first|novote forces one (A/B runs, tests).
   int sm90_loop;
-  // Hopper forward without a mask at head dims 128 and 256: clusters of two CTAs that share each
-  // K/V block by TMA multicast (sm90/fwd_launch.cuh). -1 auto, 0 off, 1 on where it applies
-  // (fixed-length batch, an even number of query blocks). FLASH_EXT_SM90_CLUSTER=0/1 forces it.
-  int sm90_cluster;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
   // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).
   int num_sms;

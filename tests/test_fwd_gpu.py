@@ -333,9 +333,8 @@ SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for 
     dict(PINGPONG="1"), dict(PINGPONG="late"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
     dict(HEAD_SECTIONS="0"),
     dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0")] + [
-    dict(LOOP=order, PINGPONG=pp) for order in ("overlap", "pv_first", "novote") for pp in ("1", "late")] + [
-    dict(CLUSTER="0"), dict(CLUSTER="1", PERSISTENT="0")]
-SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "LOOP", "CLUSTER")
+    dict(LOOP=order, PINGPONG=pp) for order in ("overlap", "pv_first", "novote") for pp in ("1", "late")]
+SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "LOOP")
 
 
 def _sm90_or_skip(fwd_path):
@@ -376,12 +375,6 @@ SM90_SWITCH_CASES = [
     (torch.bfloat16, 2, 1000, 1000, 16, 4, 64, dict(window_size=(128, 64))),  # local window
     (torch.bfloat16, 2, 1000, 257, 8, 1, 256, dict(causal=True)),  # MQA, sq > sk; d = 256: registers
     (torch.bfloat16, 2, 257, 1000, 16, 16, 256, dict()),
-    # K/V multicast in clusters of two CTAs (no mask, d = 128 / 256, an even number of query
-    # blocks; CLUSTER=0 turns it off): GQA, and a last key block that ends inside the second
-    # CTA's half of the 80-row block (777 = 9 x 80 + 57), so that CTA's slice is partly beyond
-    # seqlen_k (zeros from the TMA, masked by the kernel).
-    (torch.bfloat16, 2, 500, 777, 8, 2, 256, dict()),
-    (torch.bfloat16, 2, 1024, 1000, 16, 4, 128, dict(softcap=30.0)),
     (torch.bfloat16, 3, 300, 300, 16, 16, 96, dict(causal=True)),            # 64-byte swizzle
     (torch.bfloat16, 2, 1000, 1000, 8, 8, 80, dict(causal=True)),  # d = 80 in the 96 kernel
     (torch.float16, 2, 513, 700, 16, 16, 192, dict(window_size=(100, 0))),
@@ -472,7 +465,6 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monk
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
     ("FLASH_EXT_SM90_LOOP", "fast", "FLASH_EXT_SM90_LOOP must be auto, overlap, pv_first or novote"),
-    ("FLASH_EXT_SM90_CLUSTER", "2", "FLASH_EXT_SM90_CLUSTER must be auto, 0 or 1"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

@@ -51,12 +51,9 @@ struct FwdArgs {
   // One consumer warpgroup's 64 rows of Q per load (SmemLayoutQSlab).
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, typename Traits::SmemLayoutQSlab{},
                                       Shape<_64, Int<Traits::kHeadDim>>{}, _1{}));
-  // K and V: each CTA of a cluster loads 1 / kClusterM of a block into every CTA's shared memory.
-  using TmaKVOp = std::conditional_t<(Traits::kClusterM > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
-  using TmaKV = decltype(make_tma_copy(TmaKVOp{}, GTensor{},
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{},
                                        take<0, 2>(typename Traits::SmemLayoutKV{}),
-                                       Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{},
-                                       Int<Traits::kClusterM>{}));
+                                       Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
   // One consumer warpgroup's 64 rows of O; built on the host only when p.sm90_tma_store_o.
   using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorO{}, typename Traits::SmemLayoutO{},
                                      Shape<_64, Int<Traits::kHeadDim>>{}, _1{}));
@@ -260,19 +257,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   pipe_params.is_leader = threadIdx.x == 0;
   pipe_params.num_consumers = Traits::kMmaThreads;
   pipe_params.transaction_bytes = Traits::kTmaBytesKV;
-  // In a cluster a stage is free once the consumers of every CTA released it (each CTA's
-  // producer writes into all of them): the pipelines count one arrival per consumer warpgroup of
-  // the cluster, sent by one thread of each warpgroup to each CTA.
-  Pipeline pipeline_k(ss.pipeline_k, pipe_params, typename Traits::ClusterShape{});
-  Pipeline pipeline_v(ss.pipeline_v, pipe_params, typename Traits::ClusterShape{});
+  Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
-  if constexpr (Traits::kClusterM > 1) {
-    // The peer's barriers must be initialised before this CTA's loads or releases reach them.
-    cute::cluster_arrive_relaxed();
-    cute::cluster_wait();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
@@ -308,23 +296,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     // the uniform datapath as blockIdx-derived ones do; from a plain register they spilled
     // (228 bytes at 24 registers, inside the K/V loop).
     int tiles_pushed = 0;
-    // Cluster: both CTAs walk the same (head, batch) in step (the launch makes the grid and the
-    // query blocks per head even, and a static walk gives the CTAs of a cluster tiles 2c and
-    // 2c + 1), so their K/V blocks are the same; each multicasts its slice to both.
-    const auto cluster_rank = [] {
-      if constexpr (Traits::kClusterM > 1) {
-        return int(cute::block_rank_in_cluster());
-      } else {
-        return Int<0>{};
-      }
-    }();
-    auto kv_tma_with = [&](auto const& tma, uint64_t* barrier) {
-      if constexpr (Traits::kClusterM > 1) {
-        return tma.with(*barrier, uint16_t((1u << Traits::kClusterM) - 1));
-      } else {
-        return tma.with(*barrier);
-      }
-    };
     auto next_tile = [&](int t) {
       if (!dynamic) return t + int(gridDim.x);
       t = __reduce_max_sync(1u, int(gridDim.x) + atomicAdd(p.tile_counter, 1));
@@ -350,18 +321,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       Tensor gQ = local_tile(mQ, Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (64, d, 64-row blocks)
       Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
       Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      // This CTA's 1 / kClusterM slice of each K/V block (the whole block without a cluster).
-      auto [tKgK, tKsK] = tma_partition(args.tma_k, cluster_rank, Layout<Int<Traits::kClusterM>>{},
-                                        group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(args.tma_v, cluster_rank, Layout<Int<Traits::kClusterM>>{},
-                                        group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
       // K of the first block goes out before waiting for the previous tile's Q to be released.
       // Then each warpgroup's 64 rows of Q, as soon as that warpgroup is done with its rows of
       // the previous tile (warpgroup 0 finishes first: ping-pong runs it half a turn ahead).
       int n_block = n_max - 1;
       pipeline_k.producer_acquire(write);
-      copy(kv_tma_with(args.tma_k, pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+      copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
       CUTE_UNROLL
       for (int w = 0; w < Traits::kConsumerWGs; ++w) {
         if (q_loads > 0) Barrier::wait(&ss.barrier_q_empty[w], (q_loads - 1) & 1);
@@ -372,21 +340,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       }
       ++q_loads;
       pipeline_v.producer_acquire(write);
-      copy(kv_tma_with(args.tma_v, pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
+      copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
       ++write;
       for (--n_block; n_block >= n_min; --n_block) {
         pipeline_k.producer_acquire(write);
-        copy(kv_tma_with(args.tma_k, pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+        copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
         pipeline_v.producer_acquire(write);
-        copy(kv_tma_with(args.tma_v, pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
+        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
         ++write;
       }
-    }
-    // Cluster: stay until the peer's consumers released every stage this CTA's loads wrote into
-    // (their releases arrive on this CTA's barriers, which must outlive them).
-    if constexpr (Traits::kClusterM > 1) {
-      pipeline_k.producer_tail(write);
-      pipeline_v.producer_tail(write);
     }
     return;
   }
@@ -447,18 +409,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const int rescale_barrier = 1 + 2 * kWGs + consumer_wg;
   bool o_store_pending = false;  // this warpgroup's previous store may still read its tile
 
-  // A consumer warpgroup is done with a K or V stage. In a cluster, lane 0 of the warpgroup's
-  // warp r arrives on CTA r's empty barrier (one arrival per warpgroup and CTA, as the pipeline's
-  // init counts them). Computed from threadIdx here: CUTLASS's consumer_release keeps the target
-  // CTA in a register across the main loop, which spilled.
-  auto release_kv = [&](auto& storage, Pipeline& pipe, PipelineState state) __attribute__((always_inline)) {
-    if constexpr (Traits::kClusterM > 1) {
-      const int warp = (threadIdx.x / 32) % 4;
-      storage.empty_barrier_[state.index()].arrive(uint32_t(warp), threadIdx.x % 32 == 0 && warp < Traits::kClusterM);
-    } else {
-      pipe.consumer_release(state);
-    }
-  };
   int tiles_popped = 0;
   auto next_tile = [&](int t) { return dynamic ? tile_ring_pop(ss, tiles_popped++) : t + int(gridDim.x); };
   PipelineState read_k, read_v;
@@ -513,7 +463,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         turn_end();
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
-        release_kv(ss.pipeline_k, pipeline_k, read_k);
+        pipeline_k.consumer_release(read_k);
         ++read_k;
         release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::true_type{});
@@ -533,9 +483,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           if (pp_late) turn_end();
           warpgroup_fence_operand(acc_s);
           warpgroup_fence_operand(acc_o);
-          release_kv(ss.pipeline_k, pipeline_k, read_k);
+          pipeline_k.consumer_release(read_k);
           ++read_k;
-          release_kv(ss.pipeline_v, pipeline_v, read_v);
+          pipeline_v.consumer_release(read_v);
           ++read_v;
           release_q_after(n_block);
           scores_to_probs(acc_s, n_block, cute::false_type{});
@@ -546,7 +496,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
         if (pp_late) turn_end();
         warpgroup_fence_operand(acc_s);
-        release_kv(ss.pipeline_k, pipeline_k, read_k);
+        pipeline_k.consumer_release(read_k);
         ++read_k;
         release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::false_type{});
@@ -556,7 +506,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           // ptxas from hoisting the wait above the softmax, as the vote does below.
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_o);
-          release_kv(ss.pipeline_v, pipeline_v, read_v);
+          pipeline_v.consumer_release(read_v);
           ++read_v;
           convert_into(rP, acc_s);
           softmax.rescale(o_rows, correction);
@@ -577,7 +527,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
-        release_kv(ss.pipeline_v, pipeline_v, read_v);
+        pipeline_v.consumer_release(read_v);
         ++read_v;
         convert_into(rP, acc_s);
       }
@@ -588,7 +538,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       turn_end();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
-      release_kv(ss.pipeline_v, pipeline_v, read_v);
+      pipeline_v.consumer_release(read_v);
       ++read_v;
       if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
     }

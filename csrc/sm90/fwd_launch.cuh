@@ -13,35 +13,6 @@ namespace flash_ext {
 
 namespace sm90 {
 
-// Clusters of Traits::kClusterM CTAs of this kernel that can be resident at once on the current
-// device (queried once per device; 0 when the query fails).
-template <typename Traits, typename Kernel>
-int max_active_clusters(Kernel kernel, int smem) {
-  static int cached[64] = {};  // per device ordinal; 0: not queried yet
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device >= 64) device = 63;
-  if (cached[device] > 0) return cached[device];
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(Traits::kClusterM);
-  config.blockDim = dim3(Traits::kThreads);
-  config.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = Traits::kClusterM;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky; the launch then runs one CTA per tile
-    clusters = 0;
-  }
-  cached[device] = clusters;
-  return clusters;
-}
-
 template <typename Traits, bool kHasWindow>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
   using Args = FwdArgs<Traits>;
@@ -58,14 +29,12 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   };
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.q, args.shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride),
                              typename Traits::SmemLayoutQSlab{}, Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
-  args.tma_k = make_tma_copy(typename Args::TmaKVOp{},
-                             gtensor(p.k, args.shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride),
+  args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.k, args.shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride),
                              take<0, 2>(typename Traits::SmemLayoutKV{}),
-                             Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, Int<Traits::kClusterM>{});
-  args.tma_v = make_tma_copy(typename Args::TmaKVOp{},
-                             gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
+                             Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
+  args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                              take<0, 2>(typename Traits::SmemLayoutKV{}),
-                             Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, Int<Traits::kClusterM>{});
+                             Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
   // O through shared memory and a TMA store (FLASH_EXT_SM90_TMA_STORE, default on) where the O
   // tile fits in shared memory (d <= 192), the batch is not varlen (a box would cross into the
   // next sequence) and the tensor map can describe out (as tma_compatible checks q, k, v).
@@ -158,61 +127,17 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // (kLoopNoVote, FlashAttention-4's order, won and lost by a few % at d = 128 across three runs).
   // FLASH_EXT_SM90_LOOP forces one.
   if (p.sm90_loop < 0) args.p.sm90_loop = Traits::kHeadDim <= 64 ? kLoopPvFirst : kLoopOverlap;
-  if constexpr (Traits::kClusterM > 1) {
-    // Clusters of kClusterM CTAs (use_kv_multicast checked that tiles is a multiple). Persistent:
-    // as many clusters as fit at once, which may be fewer than SMs / kClusterM (a GPC with an odd
-    // number of free SMs leaves one idle); a second wave of clusters would double the tail.
-    int64_t ctas = tiles;
-    if (persistent) {
-      const int fit = max_active_clusters<Traits>(kernel, smem);
-      if (fit > 0) ctas = std::min<int64_t>(tiles, int64_t(fit) * Traits::kClusterM);  // else one per tile
-    }
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(ctas));
-    config.blockDim = dim3(Traits::kThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Traits::kClusterM;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    cudaLaunchKernelEx(&config, kernel, args);
-  } else {
-    const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
-    kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
-  }
-}
-
-// K/V multicast in clusters of two CTAs (params.h sm90_cluster; FlashAttention-3 has it at
-// d >= 128 without a mask): where the two CTAs of a cluster see the same key blocks (no mask)
-// and neighbouring query blocks of one (head, batch), i.e. a fixed-length batch with an even
-// number of query blocks per head.
-template <typename Traits>
-bool use_kv_multicast(const FwdParams& p) {
-  if (p.sm90_cluster == 0 || p.has_window || p.cu_seqlens_q != nullptr) return false;
-  const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  return m_blocks % 2 == 0;
+  const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
+  kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
 
 template <typename Traits>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
   if (p.has_window) {
     launch_fwd<Traits, true>(p, stream);
-    return;
+  } else {
+    launch_fwd<Traits, false>(p, stream);
   }
-  // Cluster kernels are compiled for head dims 128 and 256 only (compile time).
-  if constexpr (Traits::kHeadDim == 128 || Traits::kHeadDim == 256) {
-    using ClusterTraits = FwdTraits<Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN, Traits::kStages,
-                                    typename Traits::Element, 2>;
-    if (use_kv_multicast<Traits>(p)) {
-      launch_fwd<ClusterTraits, false>(p, stream);
-      return;
-    }
-  }
-  launch_fwd<Traits, false>(p, stream);
 }
 
 }  // namespace sm90

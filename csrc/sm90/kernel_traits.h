@@ -10,16 +10,10 @@ namespace flash_ext::sm90 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_, int kClusterM_ = 1>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  // CTAs per cluster along the query blocks. With 2, the two CTAs of a cluster run neighbouring
-  // query blocks of one (head, batch) in step, and each loads half of every K and V block by
-  // TMA multicast into both CTAs' shared memory: half the L2-to-SM traffic per FLOP
-  // (docs/kernels-sm90.md, "K/V multicast"). Only instantiated without a mask (equal key ranges).
-  static constexpr int kClusterM = kClusterM_;
-  using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
   static constexpr int kBlockM = kBlockM_;   // 64 rows per consumer warpgroup
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;   // K and V ring depth
@@ -27,9 +21,7 @@ struct FwdTraits {
   static constexpr int kMmaThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kMmaThreads + 128;  // + one producer warpgroup
   // setmaxnreg: the producer gives its registers to the consumers (sum * 128 <= 64K).
-  // 32 (not 24) with two consumer warpgroups in a cluster: the multicast loads spilled at 24
-  // (128 x 32 + 256 x 240 is still exactly 64K).
-  static constexpr int kProducerRegs = kConsumerWGs == 2 && kClusterM == 1 ? 24 : 32;
+  static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
 
   // Split-Q by warpgroup: consumer warpgroup w owns query rows [64w, 64w + 64).
