@@ -99,9 +99,6 @@ struct FwdParams {
   // launch picks kLoopPvFirst at d <= 64, else kLoopOverlap), else kLoopOverlap, kLoopPvFirst or
   // kLoopNoVote. FLASH_EXT_SM90_LOOP=overlap|pv_first|novote forces one (A/B runs, tests).
   int sm90_loop;
-  // Hopper forward at d = 128: one score column in four takes its exp2 from a polynomial on the
-  // FMA pipe (common/softmax.h exp2_fma). 0 off (default), 1 on: FLASH_EXT_SM90_EXP_EMU=1.
-  int sm90_exp_emu;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
   // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).
   int num_sms;

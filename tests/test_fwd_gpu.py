@@ -434,22 +434,6 @@ def test_sm90_alt_tiles(case, tile, fwd_path, monkeypatch, record_property):
     _check_case_under_switches(case, monkeypatch, record_property, prefix=f"{tile} tile ")
 
 
-# exp2 emulation (FLASH_EXT_SM90_EXP_EMU=1, d = 128): one score column in four exponentiated by a
-# polynomial on the FMA pipe. Against the reference under every switch, with rows that see no key
-# (causal, sq > sk: exactly zero output and lse = -inf) and softcap.
-SM90_EXP_EMU_CASES = [c for c in SM90_SWITCH_CASES if c[6] == 128] + [
-    (torch.bfloat16, 2, 300, 100, 4, 4, 128, dict(causal=True)),
-    (torch.float16, 2, 640, 640, 8, 2, 112, dict(softcap=30.0)),
-]
-
-
-@pytest.mark.parametrize("case", SM90_EXP_EMU_CASES, ids=_case_id)
-def test_sm90_exp_emulation(case, fwd_path, monkeypatch, record_property):
-    _sm90_or_skip(fwd_path)
-    monkeypatch.setenv("FLASH_EXT_SM90_EXP_EMU", "1")
-    _check_case_under_switches(case, monkeypatch, record_property, prefix="exp emu ")
-
-
 # Lazy rescaling (common/softmax.h): a row keeps a stale max while new blocks exceed it by at most
 # 2^8. Keys scaled by a ramp, largest at key 0, which the kernel visits last (it walks key blocks
 # from the end), so every row's max grows block after block: by less than the slack per block and
@@ -481,7 +465,6 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monk
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
     ("FLASH_EXT_SM90_LOOP", "fast", "FLASH_EXT_SM90_LOOP must be auto, overlap, pv_first or novote"),
-    ("FLASH_EXT_SM90_EXP_EMU", "on", "FLASH_EXT_SM90_EXP_EMU must be 0 or 1"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

@@ -19,22 +19,6 @@
 
 namespace flash_ext {
 
-// 2^x on the FMA pipe instead of the SFU (FlashAttention-4's exp2 emulation): x = j + f with j an
-// integer and f in [-0.5, 0.5]; 2^f from a degree-3 polynomial (relative error 7.5e-5, fitted for
-// this file; the P operand is rounded to bf16 / fp16 anyway), j added to the exponent bits. x is
-// clamped at -126 so that the exponent cannot wrap, and anything at or below gives exactly 0
-// (fully masked rows must sum to 0).
-__device__ __forceinline__ float exp2_fma(float x) {
-  const float xc = fmaxf(x, -126.f);
-  const float shifted = xc + 12582912.f;  // 1.5 * 2^23: round(xc) in the low mantissa bits
-  const float f = xc - (shifted - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261115f), f, 0.69326097f), f, 0.99992806f);
-  // The low bits of shifted hold round(xc) (two's complement), so shifting them into the exponent
-  // field adds it to p's exponent.
-  const float r = __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-  return x > -126.f ? r : 0.f;
-}
-
 template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];  // in score units (before scale_log2)
@@ -47,9 +31,7 @@ struct OnlineSoftmax {
   // kChains: independent max and sum chains per row (the Hopper kernel uses 4: a quarter of the
   // dependent latency; the sm80 kernels keep 1, where more registers meant more spills).
   // slack_log2: lazy rescaling (above); 0 moves the max whenever it grows.
-  // kEmuEvery > 0: one column in kEmuEvery takes its exp2 from exp2_fma (the FMA pipe), the rest
-  // from the SFU, whose 16 results per SM per cycle bound the softmax of a 128-key block.
-  template <bool kFirstBlock, int kChains = 1, int kEmuEvery = 0, typename TensorS>
+  template <bool kFirstBlock, int kChains = 1, typename TensorS>
   __device__ __forceinline__ void update_scores(TensorS& scores, float scale_log2, float (&correction)[kRows],
                                                 float slack_log2 = 0.f) {
     using namespace cute;
@@ -83,7 +65,7 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c) {
         const float x = scores(r, c) * scale_log2 - m_scaled;
-        const float p = kEmuEvery > 0 && c % kEmuEvery == kEmuEvery - 1 ? exp2_fma(x) : exp2f(x);
+        const float p = exp2f(x);
         scores(r, c) = p;
         sums[c % kChains] += p;
       }

@@ -375,7 +375,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // Lazy rescaling (common/softmax.h): a row's max moves only when a block's max exceeds it by
   // more than 8 in log2 units (p.sm90_lazy_rescale; 0: whenever it grows).
   const float rescale_slack_log2 = p.sm90_lazy_rescale ? 8.f : 0.f;
-  const bool exp_emu = p.sm90_exp_emu != 0;
 
   // Ping-pong (two consumer warpgroups): a warpgroup issues its GEMMs only in its turn and then
   // hands the turn over, so one warpgroup's softmax runs under the other's GEMMs. Turns are
@@ -452,13 +451,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
         if (mask.needs_mask_rows(row0, n_block)) mask.apply_rows(scores, cS_rows, row0, n_block);
-        // The exp2 emulation is compiled at d = 128 only (the 192-row d = 64 tile has no
-        // registers to spare) and chosen per call (p.sm90_exp_emu).
-        if (Traits::kHeadDim == 128 && exp_emu) {
-          softmax.template update_scores<decltype(is_first)::value, 4, 4>(scores, scale_log2, correction, rescale_slack_log2);
-        } else {
-          softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
-        }
+        softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
       };
 
       int n_block = n_max - 1;
