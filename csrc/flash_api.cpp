@@ -246,7 +246,6 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.sm90_row_shift = 0;  // set by the Hopper launch
   const std::string loop = env_choice("FLASH_EXT_SM90_LOOP", {"auto", "overlap", "pv_first", "novote"});
   p.sm90_loop = loop == "overlap" ? 0 : loop == "pv_first" ? 1 : loop == "novote" ? 2 : -1;  // sm90 kLoop*
-  p.sm90_rowsum_mma = env_choice("FLASH_EXT_SM90_ROWSUM", {"fadd", "mma"}) == "mma";
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

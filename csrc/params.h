@@ -99,9 +99,6 @@ struct FwdParams {
   // launch picks kLoopPvFirst at d <= 64, else kLoopOverlap), else kLoopOverlap, kLoopPvFirst or
   // kLoopNoVote. FLASH_EXT_SM90_LOOP=overlap|pv_first|novote forces one (A/B runs, tests).
   int sm90_loop;
-  // Hopper forward at d = 128: the softmax's row sums from the tensor cores (P x a tile of ones,
-  // with each P V GEMM) instead of FADDs. FLASH_EXT_SM90_ROWSUM=mma turns it on (A/B).
-  bool sm90_rowsum_mma;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
   // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).
   int num_sms;

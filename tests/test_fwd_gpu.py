@@ -434,23 +434,6 @@ def test_sm90_alt_tiles(case, tile, fwd_path, monkeypatch, record_property):
     _check_case_under_switches(case, monkeypatch, record_property, prefix=f"{tile} tile ")
 
 
-# Row sums on the tensor cores (FLASH_EXT_SM90_ROWSUM=mma, d = 128): P times a tile of ones with
-# each P V GEMM. Against the reference under every switch, with rows that see no key (causal,
-# sq > sk: exactly zero output and lse = -inf), softcap, and d = 112 in the 128 kernel.
-SM90_ROWSUM_CASES = [c for c in SM90_SWITCH_CASES if c[6] == 128] + [
-    (torch.bfloat16, 2, 300, 100, 4, 4, 128, dict(causal=True)),
-    (torch.float16, 2, 640, 640, 8, 2, 112, dict(softcap=30.0)),
-    (torch.bfloat16, 1, 1000, 1000, 8, 8, 128, dict(window_size=(100, 50))),
-]
-
-
-@pytest.mark.parametrize("case", SM90_ROWSUM_CASES, ids=_case_id)
-def test_sm90_rowsum_mma(case, fwd_path, monkeypatch, record_property):
-    _sm90_or_skip(fwd_path)
-    monkeypatch.setenv("FLASH_EXT_SM90_ROWSUM", "mma")
-    _check_case_under_switches(case, monkeypatch, record_property, prefix="rowsum mma ")
-
-
 # Lazy rescaling (common/softmax.h): a row keeps a stale max while new blocks exceed it by at most
 # 2^8. Keys scaled by a ramp, largest at key 0, which the kernel visits last (it walks key blocks
 # from the end), so every row's max grows block after block: by less than the slack per block and
@@ -482,7 +465,6 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monk
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
     ("FLASH_EXT_SM90_LOOP", "fast", "FLASH_EXT_SM90_LOOP must be auto, overlap, pv_first or novote"),
-    ("FLASH_EXT_SM90_ROWSUM", "1", "FLASH_EXT_SM90_ROWSUM must be fadd or mma"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

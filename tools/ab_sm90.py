@@ -28,7 +28,6 @@ Variants (environment variables read by flash_api.cpp at each call):
   pv_first  FLASH_EXT_SM90_LOOP=pv_first (softmax after both GEMMs of a turn)
   novote    FLASH_EXT_SM90_LOOP=novote (as overlap without the vote, O rescaled every block)
   late      FLASH_EXT_SM90_PINGPONG=late (the turn passes once S is done; d = 128 only)
-  rowsum    FLASH_EXT_SM90_ROWSUM=mma (the softmax's row sums on the tensor cores; d = 128 only)
 The variants of one row and cuDNN are timed in turns, --rounds times, in an order rotated from
 round to round, and each reports its median over the rounds, so that clock and thermal drift
 hit all of them alike (cuDNN moved by up to 25% between runs: compare within one run).
@@ -74,7 +73,6 @@ VARIANTS = {
     "novote": {"FLASH_EXT_SM90_LOOP": "novote"},
     "late": {"FLASH_EXT_SM90_PINGPONG": "late"},
     "overlap": {"FLASH_EXT_SM90_LOOP": "overlap"},
-    "rowsum": {"FLASH_EXT_SM90_ROWSUM": "mma"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -31,9 +31,7 @@ struct OnlineSoftmax {
   // kChains: independent max and sum chains per row (the Hopper kernel uses 4: a quarter of the
   // dependent latency; the sm80 kernels keep 1, where more registers meant more spills).
   // slack_log2: lazy rescaling (above); 0 moves the max whenever it grows.
-  // kSum false: the caller sums the probabilities elsewhere (the Hopper kernel's row sums on the
-  // tensor cores); row_sum is then left alone.
-  template <bool kFirstBlock, int kChains = 1, bool kSum = true, typename TensorS>
+  template <bool kFirstBlock, int kChains = 1, typename TensorS>
   __device__ __forceinline__ void update_scores(TensorS& scores, float scale_log2, float (&correction)[kRows],
                                                 float slack_log2 = 0.f) {
     using namespace cute;
@@ -69,14 +67,12 @@ struct OnlineSoftmax {
         const float x = scores(r, c) * scale_log2 - m_scaled;
         const float p = exp2f(x);
         scores(r, c) = p;
-        if constexpr (kSum) sums[c % kChains] += p;
+        sums[c % kChains] += p;
       }
-      if constexpr (kSum) {
-        float sum = sums[0];
-        CUTE_UNROLL
-        for (int i = 1; i < kChains; ++i) sum += sums[i];
-        row_sum[r] = kFirstBlock ? sum : row_sum[r] * correction[r] + sum;
-      }
+      float sum = sums[0];
+      CUTE_UNROLL
+      for (int i = 1; i < kChains; ++i) sum += sums[i];
+      row_sum[r] = kFirstBlock ? sum : row_sum[r] * correction[r] + sum;
     }
   }
 
@@ -110,14 +106,12 @@ struct OnlineSoftmax {
 
   // Divides the output by l and returns lse = ln(sum_j exp(s_j * scale)) per row (-inf when the
   // row saw no key).
-  // kSumWhole: row_sum already holds the whole row's sum (from the tensor cores), not this
-  // thread's columns only.
-  template <bool kSumWhole = false, typename TensorO>
+  template <typename TensorO>
   __device__ __forceinline__ void finalize(TensorO& acc_o, float scale_log2, float (&lse)[kRows]) {
     using namespace cute;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float sum = kSumWhole ? row_sum[r] : quad_sum(row_sum[r]);
+      const float sum = quad_sum(row_sum[r]);
       const bool empty = !(sum > 0.f);
       const float inv = empty ? 0.f : 1.f / sum;
       CUTE_UNROLL

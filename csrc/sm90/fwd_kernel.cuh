@@ -260,14 +260,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
-  if constexpr (Traits::kRowSumMma) {
-    // The all-ones B operand of the row sums, written once; wgmma reads it through the async proxy.
-    constexpr int kWords = cosize_v<typename Traits::SmemLayoutOnes> / 2;
-    const uint32_t one_pair = std::is_same_v<Element, cutlass::bfloat16_t> ? 0x3F803F80u : 0x3C003C00u;
-    const uint32_t ones_base = cute::cast_smem_ptr_to_uint(ss.ones.ones.data());
-    for (int i = threadIdx.x; i < kWords; i += Traits::kThreads) st_shared_b32(ones_base + 4 * i, one_pair);
-    fence_smem_for_async_proxy();
-  }
   __syncthreads();
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
@@ -372,13 +364,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Tensor tSrK = thr_qk.partition_fragment_B(sK);
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);
   Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  // Row sums on the tensor cores (Traits::kRowSumMma): a 64 x 8 accumulator per warpgroup, whose
-  // every column is the row's running sum of P, rescaled with O.
-  typename Traits::TiledMmaSum mma_sum;
-  Tensor sOnes = make_tensor(make_smem_ptr(ss.ones_data()), typename Traits::SmemLayoutOnes{});
-  Tensor tLrOnes = mma_sum.get_thread_slice(mma_tid).partition_fragment_B(sOnes);
-  Tensor acc_l = partition_fragment_C(mma_sum, Shape<Int<kBlockM>, _8>{});
-  Tensor l_rows = make_tensor(acc_l.data(), gmma_acc_as_rows_cols(acc_l.layout()));
   Tensor o_rows = make_tensor(acc_o.data(), gmma_acc_as_rows_cols(acc_o.layout()));
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS_rows = make_tensor(cS.data(), gmma_acc_as_rows_cols(cS.layout()));
@@ -448,7 +433,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       softmax.row_sum[r] = 0.f;
     }
     clear(acc_o);
-    if constexpr (Traits::kRowSumMma) clear(acc_l);
 
     // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
     // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
@@ -462,36 +446,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
       Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
       float correction[kRows];
-      // O += P V (and the row sums += P x ones) as one wgmma batch.
-      auto issue_pv = [&](int stage) __attribute__((always_inline)) {
-        if constexpr (Traits::kRowSumMma) {
-          warpgroup_fence_operand(acc_o);
-          warpgroup_fence_operand(acc_l);
-          warpgroup_fence_operand(tOrP);
-          warpgroup_arrive();
-          CUTE_UNROLL
-          for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k, stage), acc_o);
-          CUTE_UNROLL
-          for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_sum, tOrP(_, _, k), tLrOnes(_, _, k), acc_l);
-          warpgroup_commit_batch();
-          warpgroup_fence_operand(acc_o);
-          warpgroup_fence_operand(acc_l);
-          warpgroup_fence_operand(tOrP);
-        } else {
-          warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, stage), acc_o);
-        }
-      };
-      auto rescale_o = [&]() __attribute__((always_inline)) {
-        softmax.rescale(o_rows, correction);
-        if constexpr (Traits::kRowSumMma) softmax.rescale(l_rows, correction);
-      };
 
       auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
         if (mask.needs_mask_rows(row0, n_block)) mask.apply_rows(scores, cS_rows, row0, n_block);
-        softmax.template update_scores<decltype(is_first)::value, 4, !Traits::kRowSumMma>(scores, scale_log2, correction,
-                                                                                     rescale_slack_log2);
+        softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
       };
 
       int n_block = n_max - 1;
@@ -515,7 +475,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         pipeline_v.consumer_wait(read_v);
         turn_begin();
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-        issue_pv(read_v.index());
+        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
         if (!pp_late) turn_end();
         if (loop_order == kLoopPvFirst) {
           // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
@@ -529,7 +489,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           ++read_v;
           release_q_after(n_block);
           scores_to_probs(acc_s, n_block, cute::false_type{});
-          if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) rescale_o();
+          if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
           convert_into(rP, acc_s);
           continue;
         }
@@ -549,7 +509,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           pipeline_v.consumer_release(read_v);
           ++read_v;
           convert_into(rP, acc_s);
-          rescale_o();
+          softmax.rescale(o_rows, correction);
           continue;
         }
         // The wait for P V comes after the softmax in the source, but ptxas, which sees no
@@ -563,7 +523,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (named_barrier_any(softmax.needs_rescale(correction), rescale_barrier, 128)) {
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_o);
-          rescale_o();
+          softmax.rescale(o_rows, correction);
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
@@ -574,7 +534,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       ++q_loads;
       pipeline_v.consumer_wait(read_v);
       turn_begin();
-      issue_pv(read_v.index());
+      warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
       turn_end();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
@@ -585,11 +545,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
 
     // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.
     float lse[kRows];
-    if constexpr (Traits::kRowSumMma) {
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) softmax.row_sum[r] = l_rows(r, 0);
-    }
-    softmax.template finalize<Traits::kRowSumMma>(o_rows, scale_log2, lse);
+    softmax.finalize(o_rows, scale_log2, lse);
     const int64_t q_row0 = row0;
     bool o_stored = false;
     if constexpr (Traits::kHasSmemO) {

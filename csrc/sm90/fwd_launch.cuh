@@ -163,11 +163,7 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
   } else if constexpr (kHeadDim <= 128) {
     // 128 x 176 (FlashAttention-3's tile) and Q as a register operand were measured too
     // (docs/perf-notes.md): no win, so 128 x 128 with Q in shared memory.
-    if (kHeadDim == 128 && p.sm90_rowsum_mma) {
-      sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element, true>>(p, stream);
-    } else {
-      sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
-    }
+    sm90::launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(p, stream);
   } else if constexpr (kHeadDim == 256) {
     if (alt) {
       sm90::launch_fwd<FwdTraits<kHeadDim, 128, 80, 2, Element>>(p, stream);

@@ -10,13 +10,10 @@ namespace flash_ext::sm90 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_, bool kRowSumMma_ = false>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  // The softmax's row sums from the tensor cores: P times a (kBlockN x 8) tile of ones, issued
-  // with each P V GEMM, instead of one FADD per score (docs/perf-notes.md session 8).
-  static constexpr bool kRowSumMma = kRowSumMma_;
   static constexpr int kBlockM = kBlockM_;   // 64 rows per consumer warpgroup
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;   // K and V ring depth
@@ -36,14 +33,6 @@ struct FwdTraits {
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayout{}));
-
-  // Row sums: P (64 x kBlockN per warpgroup, registers) x ones (kBlockN x 8, shared memory,
-  // K-major); every column of the 64 x 8 accumulator holds the row's sum.
-  using TiledMmaSum = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, _8, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::K>(),
-      AtomLayout{}));
-  using SmemLayoutOnes = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<_8, Int<kBlockN>>{}));
 
   // 128-byte swizzled rows when the head dim allows it (the TMA box and the wgmma descriptors
   // agree on it), else 64-byte.
@@ -87,26 +76,11 @@ struct FwdTraits {
   template <int kDummy>
   struct OStorage<false, kDummy> {};
 
-  template <bool kHas, int = 0>
-  struct OnesStorage {
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutOnes>> ones;
-  };
-  template <int kDummy>
-  struct OnesStorage<false, kDummy> {};
-
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
     OStorage<kHasSmemO> o;  // one SmemLayoutO tile per consumer warpgroup
-    OnesStorage<kRowSumMma> ones;  // the B operand of the row sums (all ones)
-    __device__ Element* ones_data() {
-      if constexpr (kRowSumMma) {
-        return ones.ones.data();
-      } else {
-        return q.data();  // any shared address: the tensor built on it is never used
-      }
-    }
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
     uint64_t barrier_q[kConsumerWGs];        // warpgroup w's Q rows loaded (TMA bytes)
