@@ -1,6 +1,6 @@
 """A few forward calls for compute-sanitizer (memcheck, racecheck, synccheck):
 
-    compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90] [tiles [HEAD_DIM]]
+    compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90] [tiles [HEAD_DIM [TILE [PINGPONG]]]]
 
 tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CTAs run several
 tiles: the Q slabs, the O tile, the tile ring and the ping-pong turns are reused across tiles),
@@ -20,9 +20,13 @@ torch.manual_seed(0)
 dt = torch.bfloat16
 if len(sys.argv) > 2 and sys.argv[2] == "tiles":
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for tile in ("alt", "base"):
+    # argv[4] / argv[5] narrow the tile and the ping-pong mode (racecheck at d = 256 runs ~10x
+    # slower than at d = 128: one combination per call fits a device call's time limit).
+    tiles = [sys.argv[4]] if len(sys.argv) > 4 else ["alt", "base"]
+    pingpongs = [sys.argv[5]] if len(sys.argv) > 5 else ["late", "tile"]
+    for tile in tiles:
         os.environ["FLASH_EXT_SM90_FWD_TILE"] = tile
-        for pingpong in ("late", "tile"):  # late: carried turns (+ the late hand-over at d = 128)
+        for pingpong in pingpongs:  # late: carried turns (+ the late hand-over at d = 128)
             os.environ["FLASH_EXT_SM90_PINGPONG"] = pingpong
             for d in [int(sys.argv[3])] if len(sys.argv) > 3 else (64, 128, 256):  # one: racecheck is slow
                 s = 700  # 4-6 query blocks per head, the last one partial
