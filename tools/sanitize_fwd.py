@@ -2,6 +2,8 @@
 
     compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90] [tiles [HEAD_DIM [TILE [PINGPONG]]]]
 
+TILE: alt or base; PINGPONG: late, tile or "" (the launch's default); without them, all four.
+
 tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CTAs run several
 tiles: the Q slabs, the O tile, the tile ring and the ping-pong turns are reused across tiles),
 on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried (with d = 128's
@@ -20,8 +22,9 @@ torch.manual_seed(0)
 dt = torch.bfloat16
 if len(sys.argv) > 2 and sys.argv[2] == "tiles":
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # argv[4] / argv[5] narrow the tile and the ping-pong mode (racecheck at d = 256 runs ~10x
-    # slower than at d = 128: one combination per call fits a device call's time limit).
+    # argv[4] / argv[5] narrow the run to one tile and one ping-pong mode ("" = the default
+    # mode): racecheck at d = 256 did not finish all four combinations within a device call
+    # (session 8: 128 x 64 with per-tile ping-pong alone ran past 411 s).
     tiles = [sys.argv[4]] if len(sys.argv) > 4 else ["alt", "base"]
     pingpongs = [sys.argv[5]] if len(sys.argv) > 5 else ["late", "tile"]
     for tile in tiles:
