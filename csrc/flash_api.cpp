@@ -230,9 +230,8 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.has_window = window_left >= 0 || window_right >= 0;
   set_dropout_params(p, dropout_p, rng_state);
   // Hopper forward switches (README, docs/kernels-sm90.md), for A/B runs and tests.
-  const std::string pingpong = env_choice("FLASH_EXT_SM90_PINGPONG", {"0", "1", "tile", "late"});
-  p.sm90_pingpong = pingpong == "0" ? 0 : pingpong == "tile" ? 2 : pingpong == "1" ? 1 : pingpong == "late" ? 3 : -1;
-  p.sm90_pp_late = false;  // set by the Hopper launch
+  const std::string pingpong = env_choice("FLASH_EXT_SM90_PINGPONG", {"0", "1", "tile"});
+  p.sm90_pingpong = pingpong == "0" ? 0 : pingpong == "tile" ? 2 : pingpong == "1" ? 1 : -1;
   const std::string persistent = env_choice("FLASH_EXT_SM90_PERSISTENT", {"auto", "0", "1"});
   p.sm90_persistent = persistent == "0" ? 0 : persistent == "1" ? 1 : -1;
   p.sm90_tma_store_o = env_choice("FLASH_EXT_SM90_TMA_STORE", {"0", "1"}) != "0";
@@ -244,8 +243,8 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.sm90_section_hb = p.sm90_section_big = p.sm90_section_big_hb = 0;  // set by the Hopper launch
   p.sm90_align_end = env_choice("FLASH_EXT_SM90_ALIGN_END", {"0", "1"}) != "0";
   p.sm90_row_shift = 0;  // set by the Hopper launch
-  const std::string loop = env_choice("FLASH_EXT_SM90_LOOP", {"auto", "overlap", "pv_first", "novote"});
-  p.sm90_loop = loop == "overlap" ? 0 : loop == "pv_first" ? 1 : loop == "novote" ? 2 : -1;  // sm90 kLoop*
+  const std::string loop = env_choice("FLASH_EXT_SM90_LOOP", {"auto", "overlap", "pv_first", "warpvote"});
+  p.sm90_loop = loop == "overlap" ? 0 : loop == "pv_first" ? 1 : loop == "warpvote" ? 2 : -1;  // sm90 kLoop*
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

@@ -54,14 +54,10 @@ struct FwdParams {
   uint64_t dropout_seed, dropout_offset;
 
   // Hopper kernel: order the consumer warpgroups' GEMMs (ping-pong). -1 (default): the launch
-  // picks 3 at d = 128, 0 at d = 256 without a mask, else 1; 1 (FLASH_EXT_SM90_PINGPONG=1): on,
-  // the turn passes right after a warpgroup's GEMM issue and the turns carry on across tiles;
-  // 3 (FLASH_EXT_SM90_PINGPONG=late): as 1, the turn passes once the warpgroup's S is done
-  // (d = 128; elsewhere as 1); 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every
-  // tile; 0: off.
+  // picks 0 at d = 256 without a mask, else 1; 1 (FLASH_EXT_SM90_PINGPONG=1): on, the turn
+  // passes right after a warpgroup's GEMM issue and the turns carry on across tiles;
+  // 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every tile; 0: off.
   int sm90_pingpong;
-  // Set by the launch from sm90_pingpong 3: the late hand-over (kernel: d = 128 only).
-  bool sm90_pp_late;
   // Hopper kernel grid: -1 auto (= 1), 0 one CTA per tile, 1 persistent (static stride without a
   // mask; under a causal/local mask CTAs claim tiles from tile_counter).
   // FLASH_EXT_SM90_PERSISTENT=0/1 forces it (for measurements and tests).
@@ -95,9 +91,10 @@ struct FwdParams {
   bool sm90_align_end;
   // Rows (a multiple of 64) by which the first query tile starts before row 0; set by the launch.
   int sm90_row_shift;
-  // Hopper forward: the consumers' main-loop order (sm90/fwd_kernel.cuh kLoop*): -1 auto (the
-  // launch picks kLoopPvFirst at d <= 64, else kLoopOverlap), else kLoopOverlap, kLoopPvFirst or
-  // kLoopNoVote. FLASH_EXT_SM90_LOOP=overlap|pv_first|novote forces one (A/B runs, tests).
+  // Hopper forward: the consumers' main-loop order (sm90/fwd_kernel.cuh kLoop*, a kernel template
+  // parameter): -1 auto (the head dim's default, sm90/fwd_launch.cuh kLoopDefault), else
+  // kLoopOverlap, kLoopPvFirst or kLoopWarpVote, where compiled for the head dim (else the
+  // default). FLASH_EXT_SM90_LOOP=overlap|pv_first|warpvote (A/B runs, tests).
   int sm90_loop;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
   // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).

@@ -322,18 +322,18 @@ def test_varlen_cuda_graph_capture():
 
 # Environments of FLASH_EXT_SM90_* switches, each value read by flash_api.cpp per call: every
 # epilogue x grid pair with the defaults, then the ping-pong modes (forced on: the default has it
-# off at d = 256 without a mask; the late hand-over at d = 128; per tile; off) on the persistent
+# off at d = 256 without a mask; per tile; off) on the persistent
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
 # sections (all heads in one section), with them whatever the bandwidth estimate says, and in
 # uneven sizes (full sections and a smaller last one), and
 # causal tiles from row 0 instead of aligned to end at seqlen_q, and each main-loop order (the
-# order of waits, softmax and O rescale; the arithmetic is the same, so the results are too),
-# each with the turn passed right after the issue and late.
+# order of waits, softmax and O rescale; the arithmetic is the same, so the results are too;
+# an order not compiled for a head dim runs its default), each with ping-pong on and off.
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
-    dict(PINGPONG="1"), dict(PINGPONG="late"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
+    dict(PINGPONG="1"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
     dict(HEAD_SECTIONS="0"),
     dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0")] + [
-    dict(LOOP=order, PINGPONG=pp) for order in ("overlap", "pv_first", "novote") for pp in ("1", "late")]
+    dict(LOOP=order, PINGPONG=pp) for order in ("overlap", "pv_first", "warpvote") for pp in ("1", "0")]
 SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "LOOP")
 
 
@@ -441,7 +441,7 @@ def test_sm90_alt_tiles(case, tile, fwd_path, monkeypatch, record_property):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dname)
 @pytest.mark.parametrize("lazy", ["1", "0"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("loop", ["auto", "overlap", "pv_first", "novote"])
+@pytest.mark.parametrize("loop", ["auto", "overlap", "warpvote"])
 def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monkeypatch, record_property):
     _sm90_or_skip(fwd_path)
     monkeypatch.setenv("FLASH_EXT_SM90_LAZY_RESCALE", lazy)
@@ -458,13 +458,13 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monk
 
 @pytest.mark.parametrize("var,value,message", [
     ("FLASH_EXT_SM90_FWD_TILE", "huge", "FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"),
-    ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1, tile or late"),
+    ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1 or tile"),
     ("FLASH_EXT_SM90_LAZY_RESCALE", "yes", "FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1"),
     ("FLASH_EXT_SM90_HEAD_SECTIONS", "on", "FLASH_EXT_SM90_HEAD_SECTIONS must be 0, 1, always or uneven"),
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
-    ("FLASH_EXT_SM90_LOOP", "fast", "FLASH_EXT_SM90_LOOP must be auto, overlap, pv_first or novote"),
+    ("FLASH_EXT_SM90_LOOP", "fast", "FLASH_EXT_SM90_LOOP must be auto, overlap, pv_first or warpvote"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

@@ -2,13 +2,14 @@
 
     compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90] [tiles [HEAD_DIM [TILE [PINGPONG]]]]
 
-TILE: alt or base; PINGPONG: late, tile or "" (the launch's default); without them, all four.
+TILE: alt or base; PINGPONG: 1, tile or "" (the launch's default); without them, all four.
 
 tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CTAs run several
 tiles: the Q slabs, the O tile, the tile ring and the ping-pong turns are reused across tiles),
-on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried (with d = 128's
-late hand-over) and per-tile ping-pong, causal and local (claimed tiles) and not (static stride),
-each head dim in its default main-loop order (pv_first at d = 64, overlap otherwise).
+on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried and per-tile
+ping-pong (forced on: d = 256 has it off by default without a mask), causal and local (claimed
+tiles) and not (static stride), each head dim in its default main-loop order (pv_first at
+d = 64, warpvote otherwise; FLASH_EXT_SM90_LOOP, if set, applies).
 """
 import os
 import sys
@@ -26,10 +27,10 @@ if len(sys.argv) > 2 and sys.argv[2] == "tiles":
     # mode): racecheck at d = 256 did not finish all four combinations within a device call
     # (session 8: 128 x 64 with per-tile ping-pong alone ran past 411 s).
     tiles = [sys.argv[4]] if len(sys.argv) > 4 else ["alt", "base"]
-    pingpongs = [sys.argv[5]] if len(sys.argv) > 5 else ["late", "tile"]
+    pingpongs = [sys.argv[5]] if len(sys.argv) > 5 else ["1", "tile"]
     for tile in tiles:
         os.environ["FLASH_EXT_SM90_FWD_TILE"] = tile
-        for pingpong in pingpongs:  # late: carried turns (+ the late hand-over at d = 128)
+        for pingpong in pingpongs:  # 1: turns carried across tiles
             os.environ["FLASH_EXT_SM90_PINGPONG"] = pingpong
             for d in [int(sys.argv[3])] if len(sys.argv) > 3 else (64, 128, 256):  # one: racecheck is slow
                 s = 700  # 4-6 query blocks per head, the last one partial

@@ -28,12 +28,16 @@
 
 namespace flash_ext::sm90 {
 
-// Main-loop orders of the consumers (FwdParams::sm90_loop, picked per head dim by the launch;
-// docs/kernels-sm90.md). kLoopOverlap: the softmax of block j runs under this warpgroup's own
-// P V GEMM of block j + 1, and O is rescaled in a branch on a warpgroup vote. kLoopPvFirst: both
-// GEMMs of a turn are waited for before the softmax, which then runs under the other
-// warpgroups' GEMMs only. kLoopNoVote: as kLoopOverlap without the vote, O rescaled every block.
-constexpr int kLoopOverlap = 0, kLoopPvFirst = 1, kLoopNoVote = 2;
+// Main-loop orders of the consumers (a template parameter of the kernel, picked per head dim by
+// the launch; docs/kernels-sm90.md). kLoopOverlap: the softmax of block j runs under this
+// warpgroup's own P V GEMM of block j + 1, and O is rescaled in a branch on a warpgroup vote
+// (bar.red) that also holds the wait for P V below the softmax. kLoopPvFirst: both GEMMs of a
+// turn are waited for before the softmax, which then runs under the other warpgroups' GEMMs
+// only. kLoopWarpVote: as kLoopOverlap, with the wait for P V held below the softmax by a branch
+// on a warp vote over the softmax's row sums (always true), and O rescaled per warp (a vote over
+// its own rows), so no barrier across the warpgroup's warps. A compile-time order: as a runtime
+// value its branches made ptxas copy the 32 P registers at the loop's back edge.
+constexpr int kLoopOverlap = 0, kLoopPvFirst = 1, kLoopWarpVote = 2;
 
 using namespace cute;
 
@@ -209,7 +213,7 @@ __device__ __forceinline__ int tile_ring_pop(Storage& ss, int k) {
 
 }  // namespace fwd_detail
 
-template <typename Traits, bool kHasWindow>
+template <typename Traits, bool kHasWindow, int kLoop>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fwd_detail;
@@ -389,13 +393,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const bool pingpong = kWGs >= 2 && p.sm90_pingpong != 0;
   const bool pp_carry = pingpong && p.sm90_pingpong == 1;
   const bool pp_per_tile = pingpong && !pp_carry;
-  // Late hand-over (p.sm90_pp_late, FLASH_EXT_SM90_PINGPONG=late): the turn passes once this warpgroup's
-  // S (overlap, novote) or both GEMMs (pv_first) are done, not right after its issue, so the next
-  // warpgroup's wgmma issue stalls on the tensor pipe for less of this warpgroup's softmax (a
-  // clock64 timeline showed the softmax at half speed beside such a stall; docs/perf-notes.md).
-  // Compiled at d = 128 only: elsewhere the extra state tipped ptxas into spills (the 160-register
-  // 192-row d = 64 tile, d = 256 under masks).
-  const bool pp_late = Traits::kHeadDim == 128 && pp_carry && p.sm90_pp_late;
   const int consumer_wg = warp_group - 1;
   auto turn_begin = [&]() { if (pingpong) named_barrier_sync(1 + consumer_wg, 256); };
   auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (consumer_wg + 1) % kWGs, 256); };
@@ -413,8 +410,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   auto next_tile = [&](int t) { return dynamic ? tile_ring_pop(ss, tiles_popped++) : t + int(gridDim.x); };
   PipelineState read_k, read_v;
   int q_loads = 0;
-  // Main-loop order (params.h sm90_loop, picked per head dim by the launch).
-  const int loop_order = p.sm90_loop;
   if (pp_carry && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
   for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
        t = next_tile(t)) {
@@ -476,11 +471,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         turn_begin();
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
         warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-        if (!pp_late) turn_end();
-        if (loop_order == kLoopPvFirst) {
+        turn_end();
+        if constexpr (kLoop == kLoopPvFirst) {
           // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
           warpgroup_wait<0>();
-          if (pp_late) turn_end();
           warpgroup_fence_operand(acc_s);
           warpgroup_fence_operand(acc_o);
           pipeline_k.consumer_release(read_k);
@@ -494,22 +488,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           continue;
         }
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
-        if (pp_late) turn_end();
         warpgroup_fence_operand(acc_s);
         pipeline_k.consumer_release(read_k);
         ++read_k;
         release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::false_type{});
-        if (loop_order == kLoopNoVote) {
-          // FlashAttention-4's order: wait for P V after the softmax, convert P, rescale O
-          // always (by exactly 1 in rows whose max stayed). The branch on loop_order keeps
-          // ptxas from hoisting the wait above the softmax, as the vote does below.
+        if constexpr (kLoop == kLoopWarpVote) {
+          // ptxas, which sees no dependency between the exponentials and the wait for P V, hoists
+          // a plain wait above them (the softmax then runs after P V instead of under it; see
+          // kLoopOverlap below). A branch on the softmax's result holds it below: the row sums are
+          // never negative (sums of exponentials, or NaN), so every warp takes the branch and all
+          // 128 threads run the same wgmma.wait_group (.aligned); the vote makes the branch
+          // warp-uniform. The wait after it is then a no-op.
+          bool sums_not_negative = true;
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) sums_not_negative &= !(softmax.row_sum[r] < 0.f);
+          if (__any_sync(0xffffffffu, sums_not_negative)) warpgroup_wait<0>();
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_o);
           pipeline_v.consumer_release(read_v);
           ++read_v;
+          // O's rows are this thread's own: a warp whose rows all kept their max skips the rescale
+          // (multiplying by exactly 1 changes nothing, so the result is the same either way).
+          if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
           convert_into(rP, acc_s);
-          softmax.rescale(o_rows, correction);
           continue;
         }
         // The wait for P V comes after the softmax in the source, but ptxas, which sees no

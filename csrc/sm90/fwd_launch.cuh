@@ -13,6 +13,18 @@ namespace flash_ext {
 
 namespace sm90 {
 
+// Main-loop orders compiled per head dim (each is a kernel of its own: fwd_kernel.cuh kLoop*).
+// The first is the default (measured on an H100, docs/perf-notes.md sessions 6 and 9): d <= 64
+// waits for both GEMMs before the softmax (+7-15% without a mask, +1-6% causal: its tiles have
+// the most softmax per GEMM); the others keep the softmax under their own P V GEMM.
+template <int kHeadDim>
+constexpr int kLoopDefault = kHeadDim <= 64 ? kLoopPvFirst : kLoopWarpVote;
+// Whether FLASH_EXT_SM90_LOOP may pick `loop` at this head dim (others fall back to the default).
+template <int kHeadDim>
+constexpr bool loop_compiled(int loop) {
+  return loop == kLoopDefault<kHeadDim> || (kHeadDim == 128 || kHeadDim == 256) && loop == kLoopOverlap;
+}
+
 template <typename Traits, bool kHasWindow>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
   using Args = FwdArgs<Traits>;
@@ -49,7 +61,15 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  auto kernel = &fwd_kernel<Traits, kHasWindow>;
+  // Main-loop order: FLASH_EXT_SM90_LOOP (p.sm90_loop) where that order is compiled, else the
+  // head dim's default.
+  constexpr int kDim = Traits::kHeadDim;
+  const int loop = p.sm90_loop >= 0 && loop_compiled<kDim>(p.sm90_loop) ? p.sm90_loop : kLoopDefault<kDim>;
+  auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopDefault<kDim>>;
+  (void)loop;
+  if constexpr (kLoopDefault<kDim> != kLoopOverlap && loop_compiled<kDim>(kLoopOverlap)) {
+    if (loop == kLoopOverlap) kernel = &fwd_kernel<Traits, kHasWindow, kLoopOverlap>;
+  }
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
@@ -114,19 +134,9 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // Ping-pong by default except at d = 256 without a mask (FlashAttention-4 has it off at d = 256
   // too): its GEMMs are long and its softmax (80 columns) short, and on an H100 turning it off
   // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). The turn passes right after
-  // the issue everywhere: the late hand-over ("late", d = 128 only) won +1.5-3% without a mask in
-  // one H100 run of 5 rounds and lost in three others (-0.3 to -2.7%, one of them sustained;
+  // the issue (a late hand-over, once S is done, won and lost by 0.3-3% in four H100 runs:
   // docs/perf-notes.md sessions 6-7). FLASH_EXT_SM90_PINGPONG forces a mode.
   if (p.sm90_pingpong < 0) args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : 1;
-  // Mode 3 (late) is mode 1 plus the late hand-over, which the kernel has at d = 128 only.
-  args.p.sm90_pp_late = args.p.sm90_pingpong == 3;
-  if (args.p.sm90_pingpong == 3) args.p.sm90_pingpong = 1;
-  // Main-loop order (fwd_kernel.cuh kLoop*; measured on an H100, docs/perf-notes.md session 6):
-  // d <= 64 waits for both GEMMs before the softmax (+7-15% without a mask, +1-6% causal: its
-  // tiles have the most softmax per GEMM); the rest keep the softmax under the own P V GEMM
-  // (kLoopNoVote, FlashAttention-4's order, won and lost by a few % at d = 128 across three runs).
-  // FLASH_EXT_SM90_LOOP forces one.
-  if (p.sm90_loop < 0) args.p.sm90_loop = Traits::kHeadDim <= 64 ? kLoopPvFirst : kLoopOverlap;
   const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
