@@ -243,8 +243,6 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.sm90_section_hb = p.sm90_section_big = p.sm90_section_big_hb = 0;  // set by the Hopper launch
   p.sm90_align_end = env_choice("FLASH_EXT_SM90_ALIGN_END", {"0", "1"}) != "0";
   p.sm90_row_shift = 0;  // set by the Hopper launch
-  const std::string loop = env_choice("FLASH_EXT_SM90_LOOP", {"auto", "overlap", "pv_first", "warpvote"});
-  p.sm90_loop = loop == "overlap" ? 0 : loop == "pv_first" ? 1 : loop == "warpvote" ? 2 : -1;  // sm90 kLoop*
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

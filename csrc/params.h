@@ -91,11 +91,6 @@ struct FwdParams {
   bool sm90_align_end;
   // Rows (a multiple of 64) by which the first query tile starts before row 0; set by the launch.
   int sm90_row_shift;
-  // Hopper forward: the consumers' main-loop order (sm90/fwd_kernel.cuh kLoop*, a kernel template
-  // parameter): -1 auto (the head dim's default, sm90/fwd_launch.cuh kLoopDefault), else
-  // kLoopOverlap, kLoopPvFirst or kLoopWarpVote, where compiled for the head dim (else the
-  // default). FLASH_EXT_SM90_LOOP=overlap|pv_first|warpvote (A/B runs, tests).
-  int sm90_loop;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
   // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).
   int num_sms;

@@ -40,3 +40,36 @@ def meta(*shape, dtype=torch.bfloat16, requires_grad=False):
 def _reset_dynamo():
     yield
     torch._dynamo.reset()
+
+
+# A build narrowed by FLASH_EXT_HEADDIMS / FLASH_EXT_DTYPES (README "Build knobs") has no kernel
+# for the other head dims and dtypes, and the op says so before launching anything. Tests of
+# those cases then skip with that message instead of failing; on a full build they still fail.
+_NOT_IN_BUILD = ("this build has no", "rebuild with FLASH_EXT_HEADDIMS", "FLASH_EXT_FWD_PATH=sm90 needs",
+                 "FLASH_EXT_BWD_PATH=sm90 needs")
+
+
+def _build_is_narrowed():
+    try:
+        import flash_ext
+        info = flash_ext.build_info()
+    except Exception:  # no extension: nothing to skip for
+        return False
+    fields = dict(kv.split("=", 1) for kv in info.split() if "=" in kv)
+    return (set(fields.get("hdims", "").split(",")) != {"32", "64", "96", "128", "192", "256"}
+            or set(fields.get("dtypes", "").split(",")) != {"fp16", "bf16"})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when != "call" or not rep.failed or call.excinfo is None:
+        return
+    if not call.excinfo.errisinstance(RuntimeError):
+        return
+    msg = str(call.excinfo.value)
+    if any(m in msg for m in _NOT_IN_BUILD) and _build_is_narrowed():
+        rep.outcome = "skipped"
+        rep.longrepr = (str(item.path), item.location[1] or 0,
+                        "Skipped: not in this narrowed build: " + msg.splitlines()[0][:200])

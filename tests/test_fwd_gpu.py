@@ -326,15 +326,13 @@ def test_varlen_cuda_graph_capture():
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
 # sections (all heads in one section), with them whatever the bandwidth estimate says, and in
 # uneven sizes (full sections and a smaller last one), and
-# causal tiles from row 0 instead of aligned to end at seqlen_q, and each main-loop order (the
-# order of waits, softmax and O rescale; the arithmetic is the same, so the results are too;
-# an order not compiled for a head dim runs its default), each with ping-pong on and off.
+# causal tiles from row 0 instead of aligned to end at seqlen_q. (The main-loop order is fixed per
+# head dim at compile time: sm90/fwd_launch.cuh kLoopFor.)
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
     dict(PINGPONG="1"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
     dict(HEAD_SECTIONS="0"),
-    dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0")] + [
-    dict(LOOP=order, PINGPONG=pp) for order in ("overlap", "pv_first", "warpvote") for pp in ("1", "0")]
-SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "LOOP")
+    dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0")]
+SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END")
 
 
 def _sm90_or_skip(fwd_path):
@@ -441,11 +439,11 @@ def test_sm90_alt_tiles(case, tile, fwd_path, monkeypatch, record_property):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dname)
 @pytest.mark.parametrize("lazy", ["1", "0"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("loop", ["auto", "overlap", "warpvote"])
-def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monkeypatch, record_property):
+@pytest.mark.parametrize("pingpong", ["", "0"])
+def test_sm90_rescale_with_growing_max(dtype, lazy, causal, pingpong, fwd_path, monkeypatch, record_property):
     _sm90_or_skip(fwd_path)
     monkeypatch.setenv("FLASH_EXT_SM90_LAZY_RESCALE", lazy)
-    monkeypatch.setenv("FLASH_EXT_SM90_LOOP", loop)
+    monkeypatch.setenv("FLASH_EXT_SM90_PINGPONG", pingpong)
     b, s, h, d = 2, 1000, 4, 128
     q, k, v = rand_qkv(b, s, s, h, h, d, dtype)
     ramp = torch.linspace(4.0, 0.1, s, device=k.device)[None, :, None, None]
@@ -453,7 +451,7 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monk
     ref, ref_lse = attention_ref(q, k, v, causal=causal)
     pt, _ = attention_ref(q, k, v, upcast=False, causal=causal)
     out, lse = flash_ext.attn_fwd(q, k, v, causal=causal)
-    assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"LAZY_RESCALE={lazy} LOOP={loop}")
+    assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"LAZY_RESCALE={lazy} PINGPONG={pingpong}")
 
 
 @pytest.mark.parametrize("var,value,message", [
@@ -464,7 +462,6 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, loop, fwd_path, monk
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
-    ("FLASH_EXT_SM90_LOOP", "fast", "FLASH_EXT_SM90_LOOP must be auto, overlap, pv_first or warpvote"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

@@ -24,11 +24,6 @@ Variants (environment variables read by flash_api.cpp at each call):
   pp        FLASH_EXT_SM90_PINGPONG=1 (ping-pong forced on, the turn passed right after the issue;
             auto has it off at d = 256 without a mask)
   row0      FLASH_EXT_SM90_ALIGN_END=0 (causal query tiles from row 0, not aligned to end at seqlen_q)
-  overlap   FLASH_EXT_SM90_LOOP=overlap (softmax under the own P V GEMM, rescale after a warpgroup
-            vote, bar.red; compiled at d = 128 and 256)
-  warpvote  FLASH_EXT_SM90_LOOP=warpvote (as overlap; the wait held below the softmax by a warp
-            vote, O rescaled per warp; the default from d = 96 on)
-  pv_first  FLASH_EXT_SM90_LOOP=pv_first (softmax after both GEMMs of a turn; d <= 64 only)
 The variants of one row and cuDNN are timed in turns, --rounds times, in an order rotated from
 round to round, and each reports its median over the rounds, so that clock and thermal drift
 hit all of them alike (cuDNN moved by up to 25% between runs: compare within one run).
@@ -70,9 +65,6 @@ VARIANTS = {
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
     "pp": {"FLASH_EXT_SM90_PINGPONG": "1"},
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
-    "pv_first": {"FLASH_EXT_SM90_LOOP": "pv_first"},
-    "warpvote": {"FLASH_EXT_SM90_LOOP": "warpvote"},
-    "overlap": {"FLASH_EXT_SM90_LOOP": "overlap"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -9,7 +9,7 @@ tiles: the Q slabs, the O tile, the tile ring and the ping-pong turns are reused
 on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried and per-tile
 ping-pong (forced on: d = 256 has it off by default without a mask), causal and local (claimed
 tiles) and not (static stride), each head dim in its default main-loop order (pv_first at
-d = 64, warpvote otherwise; FLASH_EXT_SM90_LOOP, if set, applies).
+d = 64, overlap otherwise).
 """
 import os
 import sys

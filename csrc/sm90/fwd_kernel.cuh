@@ -28,16 +28,14 @@
 
 namespace flash_ext::sm90 {
 
-// Main-loop orders of the consumers (a template parameter of the kernel, picked per head dim by
-// the launch; docs/kernels-sm90.md). kLoopOverlap: the softmax of block j runs under this
-// warpgroup's own P V GEMM of block j + 1, and O is rescaled in a branch on a warpgroup vote
-// (bar.red) that also holds the wait for P V below the softmax. kLoopPvFirst: both GEMMs of a
-// turn are waited for before the softmax, which then runs under the other warpgroups' GEMMs
-// only. kLoopWarpVote: as kLoopOverlap, with the wait for P V held below the softmax by a branch
-// on a warp vote over the softmax's row sums (always true), and O rescaled per warp (a vote over
-// its own rows), so no barrier across the warpgroup's warps. A compile-time order: as a runtime
-// value its branches made ptxas copy the 32 P registers at the loop's back edge.
-constexpr int kLoopOverlap = 0, kLoopPvFirst = 1, kLoopWarpVote = 2;
+// Main-loop orders of the consumers (a template parameter of the kernel, fixed per head dim by the
+// launch: sm90/fwd_launch.cuh kLoopFor; docs/kernels-sm90.md). kLoopOverlap: the softmax of block
+// j runs under this warpgroup's own P V GEMM of block j + 1, and O is rescaled in a branch on a
+// warpgroup vote (bar.red) that also holds the wait for P V below the softmax. kLoopPvFirst: both
+// GEMMs of a turn are waited for before the softmax, which then runs under the other warpgroups'
+// GEMMs only. A compile-time order: as a runtime value (until session 9) its branches made ptxas
+// copy the 32 registers of P at the loop's back edge, on each warpgroup's critical chain.
+constexpr int kLoopOverlap = 0, kLoopPvFirst = 1;
 
 using namespace cute;
 
@@ -493,27 +491,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         ++read_k;
         release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::false_type{});
-        if constexpr (kLoop == kLoopWarpVote) {
-          // ptxas, which sees no dependency between the exponentials and the wait for P V, hoists
-          // a plain wait above them (the softmax then runs after P V instead of under it; see
-          // kLoopOverlap below). A branch on the softmax's result holds it below: the row sums are
-          // never negative (sums of exponentials, or NaN), so every warp takes the branch and all
-          // 128 threads run the same wgmma.wait_group (.aligned); the vote makes the branch
-          // warp-uniform. The wait after it is then a no-op.
-          bool sums_not_negative = true;
-          CUTE_UNROLL
-          for (int r = 0; r < kRows; ++r) sums_not_negative &= !(softmax.row_sum[r] < 0.f);
-          if (__any_sync(0xffffffffu, sums_not_negative)) warpgroup_wait<0>();
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_o);
-          pipeline_v.consumer_release(read_v);
-          ++read_v;
-          // O's rows are this thread's own: a warp whose rows all kept their max skips the rescale
-          // (multiplying by exactly 1 changes nothing, so the result is the same either way).
-          if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
-          convert_into(rP, acc_s);
-          continue;
-        }
         // The wait for P V comes after the softmax in the source, but ptxas, which sees no
         // dependency between them, hoisted it above the softmax (SASS: WARPGROUP.DEPBAR right
         // after the row max), so the softmax ran after P V instead of under it. A wait inside a

@@ -13,17 +13,12 @@ namespace flash_ext {
 
 namespace sm90 {
 
-// Main-loop orders compiled per head dim (each is a kernel of its own: fwd_kernel.cuh kLoop*).
-// The first is the default (measured on an H100, docs/perf-notes.md sessions 6 and 9): d <= 64
-// waits for both GEMMs before the softmax (+7-15% without a mask, +1-6% causal: its tiles have
-// the most softmax per GEMM); the others keep the softmax under their own P V GEMM.
+// Main-loop order per head dim (fwd_kernel.cuh kLoop*; one kernel each, measured on an H100,
+// docs/perf-notes.md sessions 6 and 9): d <= 64 waits for both GEMMs before the softmax (+7-15%
+// without a mask, +1-6% causal: its tiles have the most softmax per GEMM); the others keep the
+// softmax under their own P V GEMM.
 template <int kHeadDim>
-constexpr int kLoopDefault = kHeadDim <= 64 ? kLoopPvFirst : kLoopWarpVote;
-// Whether FLASH_EXT_SM90_LOOP may pick `loop` at this head dim (others fall back to the default).
-template <int kHeadDim>
-constexpr bool loop_compiled(int loop) {
-  return loop == kLoopDefault<kHeadDim> || (kHeadDim == 128 || kHeadDim == 256) && loop == kLoopOverlap;
-}
+constexpr int kLoopFor = kHeadDim <= 64 ? kLoopPvFirst : kLoopOverlap;
 
 template <typename Traits, bool kHasWindow>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
@@ -61,15 +56,7 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  // Main-loop order: FLASH_EXT_SM90_LOOP (p.sm90_loop) where that order is compiled, else the
-  // head dim's default.
-  constexpr int kDim = Traits::kHeadDim;
-  const int loop = p.sm90_loop >= 0 && loop_compiled<kDim>(p.sm90_loop) ? p.sm90_loop : kLoopDefault<kDim>;
-  auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopDefault<kDim>>;
-  (void)loop;
-  if constexpr (kLoopDefault<kDim> != kLoopOverlap && loop_compiled<kDim>(kLoopOverlap)) {
-    if (loop == kLoopOverlap) kernel = &fwd_kernel<Traits, kHasWindow, kLoopOverlap>;
-  }
+  auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
