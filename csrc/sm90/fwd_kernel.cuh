@@ -211,7 +211,7 @@ __device__ __forceinline__ int tile_ring_pop(Storage& ss, int k) {
 
 }  // namespace fwd_detail
 
-template <typename Traits, bool kHasWindow, int kLoop, bool kUniformQDesc = true>
+template <typename Traits, bool kHasWindow, int kLoop>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fwd_detail;
@@ -367,8 +367,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // S = Q K^T issue uses directly; from mma_tid they sat in 16 vector registers, moved to uniform
   // registers by an R2UR before each of the 8 wgmma of every S GEMM.
   const int wg_first_tid = __reduce_max_sync(0xffffffffu, mma_tid / 128) * 128;
-  Tensor tSrQ = kUniformQDesc ? mma_qk.get_thread_slice(wg_first_tid).partition_fragment_A(sQ)
-                              : thr_qk.partition_fragment_A(sQ);
+  Tensor tSrQ = mma_qk.get_thread_slice(wg_first_tid).partition_fragment_A(sQ);
   Tensor tSrK = thr_qk.partition_fragment_B(sK);
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);
   Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});

@@ -4,8 +4,6 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <cutlass/numeric_types.h>
 
 #include "dispatch/fwd_dispatch.h"
@@ -59,12 +57,6 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   }
 
   auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
-  // A/B (session 9, temporary): FLASH_EXT_SM90_QDESC=vector runs d = 128 with Q's descriptors in
-  // vector registers (the kernel before this change).
-  if constexpr (Traits::kHeadDim == 128) {
-    const char* qdesc = std::getenv("FLASH_EXT_SM90_QDESC");
-    if (qdesc && std::string(qdesc) == "vector") kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>, false>;
-  }
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
