@@ -49,15 +49,21 @@ _NOT_IN_BUILD = ("this build has no", "rebuild with FLASH_EXT_HEADDIMS", "FLASH_
                  "FLASH_EXT_BWD_PATH=sm90 needs")
 
 
+def narrowed_build_info(info):
+    """Whether a build_info() string describes a build narrowed by FLASH_EXT_HEADDIMS or
+    FLASH_EXT_DTYPES (missing some head dim or dtype of the full build)."""
+    fields = dict(kv.split("=", 1) for kv in info.split() if "=" in kv)
+    return (set(fields.get("hdims", "").split(",")) != {"32", "64", "96", "128", "192", "256"}
+            or set(fields.get("dtypes", "").split(",")) != {"fp16", "bf16"})
+
+
 def _build_is_narrowed():
     try:
         import flash_ext
         info = flash_ext.build_info()
     except Exception:  # no extension: nothing to skip for
         return False
-    fields = dict(kv.split("=", 1) for kv in info.split() if "=" in kv)
-    return (set(fields.get("hdims", "").split(",")) != {"32", "64", "96", "128", "192", "256"}
-            or set(fields.get("dtypes", "").split(",")) != {"fp16", "bf16"})
+    return narrowed_build_info(info)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -96,3 +96,14 @@ def test_bool_and_int_knobs():
     assert bc.parse_positive_int("N", "4") == 4 and bc.parse_positive_int("N", "") is None
     with pytest.raises(bc.BuildConfigError):
         bc.parse_positive_int("N", "0")
+
+
+def test_narrowed_build_info_matches_build_info():
+    # tests/conftest.py skips tests of kernels a narrowed build lacks; it reads build_info().
+    from conftest import narrowed_build_info
+    full = bc.build_info(bc.BuildConfig.from_env({}))
+    assert not narrowed_build_info(full)
+    assert narrowed_build_info(bc.build_info(bc.BuildConfig.from_env({"FLASH_EXT_HEADDIMS": "64,128"})))
+    assert narrowed_build_info(bc.build_info(bc.BuildConfig.from_env({"FLASH_EXT_DTYPES": "bf16"})))
+    # the order of the knob's values does not matter
+    assert not narrowed_build_info(bc.build_info(bc.BuildConfig.from_env({"FLASH_EXT_DTYPES": "bf16,fp16"})))
