@@ -1,8 +1,13 @@
 """Shared fixtures and helpers. CPU tests run everywhere; GPU tests are marked ``requires_cuda``
 and skip with a reason on machines without a CUDA GPU."""
 
+import os
+import sys
+
 import pytest
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU (none found)")
@@ -51,10 +56,11 @@ _NOT_IN_BUILD = ("this build has no", "rebuild with FLASH_EXT_HEADDIMS", "FLASH_
 
 def narrowed_build_info(info):
     """Whether a build_info() string describes a build narrowed by FLASH_EXT_HEADDIMS or
-    FLASH_EXT_DTYPES (missing some head dim or dtype of the full build)."""
+    FLASH_EXT_DTYPES (missing some head dim or dtype of the full build, tools/build_config.py)."""
+    import build_config as bc  # tools/ is on sys.path (below)
     fields = dict(kv.split("=", 1) for kv in info.split() if "=" in kv)
-    return (set(fields.get("hdims", "").split(",")) != {"32", "64", "96", "128", "192", "256"}
-            or set(fields.get("dtypes", "").split(",")) != {"fp16", "bf16"})
+    return (set(fields.get("hdims", "").split(",")) != {str(d) for d in bc.ALL_HEADDIMS}
+            or set(fields.get("dtypes", "").split(",")) != set(bc.ALL_DTYPES))
 
 
 def _build_is_narrowed():
