@@ -241,6 +241,7 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
     const std::string loopx = env_choice("FLASH_EXT_SM90_LOOPX", {"0", "1", "2"});
     p.sm90_loopx = loopx.empty() ? 0 : std::stoi(loopx);
   }
+  p.sm90_k_ahead = env_choice("FLASH_EXT_SM90_K_AHEAD", {"0", "1"}) == "1";
   p.sm90_lazy_rescale = env_choice("FLASH_EXT_SM90_LAZY_RESCALE", {"0", "1"}) != "0";
   const std::string sections = env_choice("FLASH_EXT_SM90_HEAD_SECTIONS", {"0", "1", "always", "uneven"});
   p.sm90_head_sections = sections == "0" ? 0 : sections == "always" ? 2 : sections == "uneven" ? 3 : 1;

@@ -71,6 +71,8 @@ struct FwdParams {
   int sm90_fwd_tile;
   // FLASH_EXT_SM90_LOOPX=1|2 (A/B, session 10, temporary): d = 128's kLoopRescaleAlways(2).
   int sm90_loopx;
+  // FLASH_EXT_SM90_K_AHEAD=1 (A/B, session 10, temporary): the producer loads K one block ahead of V.
+  bool sm90_k_ahead;
   // Hopper kernel: lazy rescaling of the output (common/softmax.h). On by default;
   // FLASH_EXT_SM90_LAZY_RESCALE=0 rescales whenever a row's max grows (for measurements).
   bool sm90_lazy_rescale;

@@ -67,6 +67,8 @@ VARIANTS = {
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
     "rsa": {"FLASH_EXT_SM90_LOOPX": "1"},
     "rsa2": {"FLASH_EXT_SM90_LOOPX": "2"},
+    "kahead": {"FLASH_EXT_SM90_K_AHEAD": "1"},
+    "rsa_kahead": {"FLASH_EXT_SM90_LOOPX": "1", "FLASH_EXT_SM90_K_AHEAD": "1"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -346,6 +346,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w - row_shift / 64), tQsQ);
       }
       ++q_loads;
+      if (p.sm90_k_ahead) {
+        // A/B (session 10, temporary): K one block ahead of V (FlashAttention-4's order): the
+        // consumers need K of block n with V of block n + 1, so K_n goes out before V_{n+1}.
+        PipelineState write_v = write;
+        ++write;
+        for (--n_block; n_block >= n_min; --n_block) {
+          pipeline_k.producer_acquire(write);
+          copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+          ++write;
+          pipeline_v.producer_acquire(write_v);
+          copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block + 1), tVsV(_, write_v.index()));
+          ++write_v;
+        }
+        pipeline_v.producer_acquire(write_v);
+        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_min), tVsV(_, write_v.index()));
+        continue;
+      }
       pipeline_v.producer_acquire(write);
       copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
       ++write;
