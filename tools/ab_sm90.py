@@ -65,10 +65,6 @@ VARIANTS = {
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
     "pp": {"FLASH_EXT_SM90_PINGPONG": "1"},
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
-    "rsa": {"FLASH_EXT_SM90_LOOPX": "1"},
-    "rsa2": {"FLASH_EXT_SM90_LOOPX": "2"},
-    "kahead": {"FLASH_EXT_SM90_K_AHEAD": "1"},
-    "rsa_kahead": {"FLASH_EXT_SM90_LOOPX": "1", "FLASH_EXT_SM90_K_AHEAD": "1"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -36,11 +36,6 @@ namespace flash_ext::sm90 {
 // GEMMs only. A compile-time order: as a runtime value (until session 9) its branches made ptxas
 // copy the 32 registers of P at the loop's back edge, on each warpgroup's critical chain.
 constexpr int kLoopOverlap = 0, kLoopPvFirst = 1;
-// A/B (session 10, temporary): FlashAttention-4's body. kLoopRescaleAlways: overlap without the
-// vote: O rescaled after every block's P V wait (no per-row test, no branch), V waited for
-// between the two GEMMs of a turn, no softcap branch (launched only without softcap);
-// kLoopRescaleAlways2: the same with two max / sum chains instead of four.
-constexpr int kLoopRescaleAlways = 2, kLoopRescaleAlways2 = 3;
 
 using namespace cute;
 
@@ -292,7 +287,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    // K and V of a key block go to the same stage of their rings: one state serves both (the
+    // K and V of a key block go to the same stage of their rings: K's state runs one block
+    // ahead of V's within a tile and both end a tile equal, so one state carries over (the
     // producer runs at 24 registers).
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
     int q_loads = 0;
@@ -346,33 +342,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w - row_shift / 64), tQsQ);
       }
       ++q_loads;
-      if (p.sm90_k_ahead) {
-        // A/B (session 10, temporary): K one block ahead of V (FlashAttention-4's order): the
-        // consumers need K of block n with V of block n + 1, so K_n goes out before V_{n+1}.
-        PipelineState write_v = write;
-        ++write;
-        for (--n_block; n_block >= n_min; --n_block) {
-          pipeline_k.producer_acquire(write);
-          copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
-          ++write;
-          pipeline_v.producer_acquire(write_v);
-          copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block + 1), tVsV(_, write_v.index()));
-          ++write_v;
-        }
-        pipeline_v.producer_acquire(write_v);
-        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_min), tVsV(_, write_v.index()));
-        continue;
-      }
-      pipeline_v.producer_acquire(write);
-      copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
+      // K one block ahead of V: the consumers use K_n together with V_{n+1} (S_n beside
+      // P_{n+1} V_{n+1}), so K_n goes out before V_{n+1}, and K's next load waits only for the
+      // S GEMM that frees its stage, not also for the P V GEMM behind it (loading K_n and V_n
+      // together held K back by that GEMM; measured in session 10: even at d <= 128, +0-5% at
+      // d = 256).
+      PipelineState write_v = write;
       ++write;
       for (--n_block; n_block >= n_min; --n_block) {
         pipeline_k.producer_acquire(write);
         copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
-        pipeline_v.producer_acquire(write);
-        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block), tVsV(_, write.index()));
         ++write;
+        pipeline_v.producer_acquire(write_v);
+        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block + 1), tVsV(_, write_v.index()));
+        ++write_v;
       }
+      pipeline_v.producer_acquire(write_v);
+      copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_min), tVsV(_, write_v.index()));
     }
     return;
   }
@@ -400,9 +386,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Tensor cO_rows = make_tensor(cO.data(), gmma_acc_as_rows_cols(cO.layout()));
   constexpr int kRows = decltype(size<0>(o_rows))::value;
   const float scale_log2 = p.softmax_scale_log2;
-  constexpr bool kAlways = kLoop == kLoopRescaleAlways || kLoop == kLoopRescaleAlways2;
-  constexpr int kChains = kLoop == kLoopRescaleAlways2 ? 2 : 4;
-  const bool use_softcap = !kAlways && p.softcap > 0.f;
+  const bool use_softcap = p.softcap > 0.f;
   // Lazy rescaling (common/softmax.h): a row's max moves only when a block's max exceeds it by
   // more than 8 in log2 units (p.sm90_lazy_rescale; 0: whenever it grows).
   const float rescale_slack_log2 = p.sm90_lazy_rescale ? 8.f : 0.f;
@@ -473,7 +457,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
         if (mask.needs_mask_rows(row0, n_block)) mask.apply_rows(scores, cS_rows, row0, n_block);
-        softmax.template update_scores<decltype(is_first)::value, kChains>(scores, scale_log2, correction, rescale_slack_log2);
+        softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
       };
 
       int n_block = n_max - 1;
@@ -494,27 +478,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       for (--n_block; n_block >= n_min; --n_block) {
         Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         pipeline_k.consumer_wait(read_k);
-        if constexpr (!kAlways) pipeline_v.consumer_wait(read_v);
+        pipeline_v.consumer_wait(read_v);
         turn_begin();
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-        if constexpr (kAlways) pipeline_v.consumer_wait(read_v);
         warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
         turn_end();
-        if constexpr (kAlways) {
-          warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
-          warpgroup_fence_operand(acc_s);
-          pipeline_k.consumer_release(read_k);
-          ++read_k;
-          release_q_after(n_block);
-          scores_to_probs(acc_s, n_block, cute::false_type{});
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_o);
-          softmax.rescale(o_rows, correction);
-          pipeline_v.consumer_release(read_v);
-          ++read_v;
-          convert_into(rP, acc_s);
-          continue;
-        }
         if constexpr (kLoop == kLoopPvFirst) {
           // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
           warpgroup_wait<0>();

@@ -57,10 +57,6 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   }
 
   auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
-  if constexpr (Traits::kHeadDim == 128) {  // A/B (session 10, temporary)
-    if (p.sm90_loopx == 1 && p.softcap <= 0.f) kernel = &fwd_kernel<Traits, kHasWindow, kLoopRescaleAlways>;
-    if (p.sm90_loopx == 2 && p.softcap <= 0.f) kernel = &fwd_kernel<Traits, kHasWindow, kLoopRescaleAlways2>;
-  }
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
