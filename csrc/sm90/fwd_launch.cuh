@@ -125,13 +125,7 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // docs/perf-notes.md sessions 6-7). FLASH_EXT_SM90_PINGPONG forces a mode.
   if (p.sm90_pingpong < 0) args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : 1;
   const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
-  // TEMPORARY A/B (session 10): without the TMA store, launch without the O tile's shared memory
-  // (FA4's 168 KB configuration instead of 201 KB).
-  using SS = typename Traits::SharedStorage;
-  const int smem_launch = p.sm90_small_smem && !args.p.sm90_tma_store_o
-                              ? int(reinterpret_cast<size_t>(&reinterpret_cast<SS*>(size_t(1024))->o) - 1024)
-                              : smem;
-  kernel<<<grid, Traits::kThreads, smem_launch, stream>>>(args);
+  kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
 
 template <typename Traits>

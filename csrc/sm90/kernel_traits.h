@@ -80,6 +80,7 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+    OStorage<kHasSmemO> o;  // one SmemLayoutO tile per consumer warpgroup
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
     uint64_t barrier_q[kConsumerWGs];        // warpgroup w's Q rows loaded (TMA bytes)
@@ -89,7 +90,6 @@ struct FwdTraits {
     int tile_slot[2];
     uint64_t tile_full[2];
     uint64_t tile_empty[2];
-    OStorage<kHasSmemO> o;  // TEMPORARY A/B (session 10): last, so a launch without it can leave it out
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= kSmemLimit, "shared memory over the 227 KB an sm90 CTA may use");
