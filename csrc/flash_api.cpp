@@ -237,7 +237,6 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.sm90_tma_store_o = env_choice("FLASH_EXT_SM90_TMA_STORE", {"0", "1"}) != "0";
   const std::string fwd_tile = env_choice("FLASH_EXT_SM90_FWD_TILE", {"auto", "base", "alt"});
   p.sm90_fwd_tile = fwd_tile == "base" ? 0 : fwd_tile == "alt" ? 1 : -1;
-  p.sm90_release_wg = env_choice("FLASH_EXT_SM90_RELEASE_WG", {"0", "1"}) == "1";  // TEMPORARY
   p.sm90_lazy_rescale = env_choice("FLASH_EXT_SM90_LAZY_RESCALE", {"0", "1"}) != "0";
   const std::string sections = env_choice("FLASH_EXT_SM90_HEAD_SECTIONS", {"0", "1", "always", "uneven"});
   p.sm90_head_sections = sections == "0" ? 0 : sections == "always" ? 2 : sections == "uneven" ? 3 : 1;

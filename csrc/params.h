@@ -69,7 +69,6 @@ struct FwdParams {
   // (d = 64: 128 x 128, d = 256: 128 x 64), 1 alt (d = 64: 192 x 128, d = 256: 128 x 80).
   // FLASH_EXT_SM90_FWD_TILE=base|alt forces one (for A/B runs and tests).
   int sm90_fwd_tile;
-  bool sm90_release_wg;  // TEMPORARY A/B (session 10)
   // Hopper kernel: lazy rescaling of the output (common/softmax.h). On by default;
   // FLASH_EXT_SM90_LAZY_RESCALE=0 rescales whenever a row's max grows (for measurements).
   bool sm90_lazy_rescale;

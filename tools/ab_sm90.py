@@ -65,7 +65,6 @@ VARIANTS = {
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
     "pp": {"FLASH_EXT_SM90_PINGPONG": "1"},
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
-    "rel_wg": {"FLASH_EXT_SM90_RELEASE_WG": "1"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -257,8 +257,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   typename Pipeline::Params pipe_params;
   pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pipe_params.is_leader = threadIdx.x == 0;
-  // TEMPORARY A/B (session 10): one K / V release per consumer warpgroup (p.sm90_release_wg).
-  pipe_params.num_consumers = p.sm90_release_wg ? Traits::kConsumerWGs : Traits::kMmaThreads;
+  pipe_params.num_consumers = Traits::kMmaThreads;
   pipe_params.transaction_bytes = Traits::kTmaBytesKV;
   Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
@@ -367,7 +366,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
   const int mma_tid = threadIdx.x - 128;
-  const uint32_t release_skip = p.sm90_release_wg && mma_tid % 128 != 0;  // TEMPORARY A/B
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(mma_tid);
@@ -471,7 +469,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         turn_end();
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
-        if (!release_skip) pipeline_k.consumer_release(read_k);
+        pipeline_k.consumer_release(read_k);
         ++read_k;
         release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::true_type{});
@@ -490,9 +488,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_s);
           warpgroup_fence_operand(acc_o);
-          if (!release_skip) pipeline_k.consumer_release(read_k);
+          pipeline_k.consumer_release(read_k);
           ++read_k;
-          if (!release_skip) pipeline_v.consumer_release(read_v);
+          pipeline_v.consumer_release(read_v);
           ++read_v;
           release_q_after(n_block);
           scores_to_probs(acc_s, n_block, cute::false_type{});
@@ -502,7 +500,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         }
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
         warpgroup_fence_operand(acc_s);
-        if (!release_skip) pipeline_k.consumer_release(read_k);
+        pipeline_k.consumer_release(read_k);
         ++read_k;
         release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::false_type{});
@@ -521,7 +519,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
-        if (!release_skip) pipeline_v.consumer_release(read_v);
+        pipeline_v.consumer_release(read_v);
         ++read_v;
         convert_into(rP, acc_s);
       }
@@ -532,7 +530,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       turn_end();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
-      if (!release_skip) pipeline_v.consumer_release(read_v);
+      pipeline_v.consumer_release(read_v);
       ++read_v;
       if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
     }
