@@ -211,7 +211,16 @@ __device__ __forceinline__ int tile_ring_pop(Storage& ss, int k) {
 
 }  // namespace fwd_detail
 
-template <typename Traits, bool kHasWindow, int kLoop>
+// Whether a tile's kernel can run the tile carry (consumers, below): the carried S is 64 more live
+// registers per thread through the epilogue, which the 160-register 192-row d = 64 tile and
+// d = 256's 128 x 80 tile do not have (ptxas: 670 and 20-60 bytes of spills).
+template <typename Traits>
+constexpr bool kTileCarryFits = Traits::kConsumerWGs == 2 && Traits::kBlockN * Traits::kHeadDim <= 128 * 128;
+
+// kCarry: the tile carry (a kernel of its own: its code, even when not taken, changed ptxas's
+// register allocation of the main loop in the kernels without it; docs/perf-notes.md session 11).
+// Only without a mask, where the walk over tiles is static.
+template <typename Traits, bool kHasWindow, int kLoop, bool kCarry = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fwd_detail;
@@ -222,8 +231,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  // Whether the tile carry (consumers, below) fits in the consumers' registers.
-  constexpr bool kTileCarryFits = Traits::kConsumerWGs == 2 && kBlockN * kHeadDim <= 128 * 128;
+  static_assert(!kCarry || (kTileCarryFits<Traits> && !kHasWindow), "the tile carry needs a static walk and the registers");
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
@@ -347,7 +355,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       // Tile carry's prefetch (p.sm90_tile_carry 2, static walk, fixed-length batches): with the
       // carry a warpgroup needs the next tile's Q one turn after it released this tile's, so that
       // Q goes to L2 now and its TMA load later finds it there.
-      if (kTileCarryFits && p.sm90_tile_carry == 2 && !dynamic && !varlen) {
+      if (kCarry && p.sm90_tile_carry == 2 && !varlen) {
         const int t_next = t + int(gridDim.x);
         if (t_next < scheduler.num_tiles) {
           int m_next, head_next, batch_next;
@@ -449,16 +457,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // runs the epilogue while that S runs on the tensor pipe, and carries S into the next tile, whose
   // first turn is then a full S + P V turn. Without it each tile has two half turns (S alone, P V
   // alone), under which the other warpgroup's softmax finds half the tensor work to hide under.
-  // Not with turns re-synchronised per tile (a carried turn spans two tiles). The carried S is 64
-  // more live registers per thread through the epilogue, which the 160-register 192-row d = 64
-  // tile and d = 256's 128 x 80 tile do not have (ptxas: 670 and 20-60 bytes of spills).
-  const bool tile_carry = kTileCarryFits && p.sm90_tile_carry != 0 && !pp_per_tile;
-  Tensor acc_s_first = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  bool s_carried = false;  // acc_s_first holds S of this tile's first block, issued last tile
-  int t_taken = -1;        // the next tile, when the tail of the current one took it (tile carry)
+  // Not with turns re-synchronised per tile (a carried turn spans two tiles).
+  const bool tile_carry = kCarry && !pp_per_tile;
+  Tensor acc_s_carried = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  bool s_carried = false;  // acc_s_carried holds S of this tile's first block, issued last tile
   for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
-       t = t_taken >= 0 ? t_taken : next_tile(t)) {
-    t_taken = -1;
+       t = next_tile(t)) {
     int m_block, head, batch, n_min = 0, n_max = 0;
     scheduler.tile(t, m_block, head, batch);
     SeqInfo seq(p, batch);
@@ -478,6 +482,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
     // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
     bool carry = false;  // this tile's last turn also issues S of the next tile's first block
+    // S of the first block: the carried fragment, or (without the carry) a fresh one, whose value
+    // is then dead after the first block as in the kernels before the carry.
+    Tensor acc_s_tile = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    auto& acc_s_first = [&]() -> auto& {
+      if constexpr (kCarry) return acc_s_carried; else return acc_s_tile;
+    }();
     if (n_min < n_max) {
       if (pp_per_tile && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
       // This warpgroup's rows of Q are free for the next tile once its last S = Q K^T is done.
@@ -518,8 +528,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         // With the tile carry, stage indices through redux.sync: ptxas then computes the K and V
         // descriptors in uniform registers (else it did so in vector registers, with an R2UR
         // before each wgmma: 30 per key block at d = 128).
-        const int k_stage = kTileCarryFits ? __reduce_max_sync(0xffffffffu, read_k.index()) : read_k.index();
-        const int v_stage = kTileCarryFits ? __reduce_max_sync(0xffffffffu, read_v.index()) : read_v.index();
+        const int k_stage = kCarry ? __reduce_max_sync(0xffffffffu, read_k.index()) : read_k.index();
+        const int v_stage = kCarry ? __reduce_max_sync(0xffffffffu, read_v.index()) : read_v.index();
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, k_stage), acc_s);
         warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), acc_o);
         turn_end();
@@ -564,12 +574,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         convert_into(rP, acc_s);
       }
       ++q_loads;
-      if (tile_carry) {  // take the next tile now: carry when it has a key block
-        t_taken = next_tile(t);
-        if (t_taken < scheduler.num_tiles) {
+      if (tile_carry) {  // carry when the next tile (static walk) has a key block
+        const int t_next = t + int(gridDim.x);
+        if (t_next < scheduler.num_tiles) {
           int m_next, head_next, batch_next, n_min_next = 0, n_max_next = 0;
           SeqInfo seq_next(p, 0);
-          scheduler.tile(t_taken, m_next, head_next, batch_next);
+          scheduler.tile(t_next, m_next, head_next, batch_next);
           carry = tile_work(m_next, batch_next, seq_next, n_min_next, n_max_next) && n_min_next < n_max_next;
           // Warp-uniform for ptxas (redux.sync): K's pipeline state advances under `carry`, and
           // from a divergent-looking value the state, and with it the wgmma descriptors of K and
@@ -586,7 +596,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       // accumulator even when it zero-initialises it, so without this definition the first
       // block's S stayed live through the whole main loop (262 bytes of spills at d = 128). A copy
       // from a separate fragment instead made ptxas serialize every wgmma (C7514).
-      if constexpr (kTileCarryFits) clear(acc_s_first);
+      if constexpr (kCarry) clear(acc_s_first);
       // Issue and wait in one branch each: ptxas does not relate two branches on `carry`, and with
       // the S issue and the wait<1> under separate ones it took P V as possibly still in flight
       // at the epilogue and serialized every wgmma (C7514).
