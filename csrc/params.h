@@ -72,11 +72,6 @@ struct FwdParams {
   // Hopper kernel: lazy rescaling of the output (common/softmax.h). On by default;
   // FLASH_EXT_SM90_LAZY_RESCALE=0 rescales whenever a row's max grows (for measurements).
   bool sm90_lazy_rescale;
-  // Hopper kernel: tile carry (sm90/fwd_kernel.cuh). A consumer warpgroup's last turn of a tile
-  // issues P V of its last key block and S of the next tile's first block together, and runs the
-  // epilogue under that S. 0 off, 1 on, 2 on plus an L2 prefetch of the next tile's Q by the
-  // producer (static walk only). FLASH_EXT_SM90_TILE_CARRY=0/1/2 (for measurements and tests).
-  int sm90_tile_carry;
   // Hopper kernel under causal/local masks: longest-first tile order within sections of heads
   // whose K/V fit in half the L2 (sm90/fwd_kernel.cuh TileScheduler). 1 (default): where the
   // plain order would need much HBM bandwidth (sm90/fwd_launch.cuh); 2

@@ -326,17 +326,13 @@ def test_varlen_cuda_graph_capture():
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
 # sections (all heads in one section), with them whatever the bandwidth estimate says, and in
 # uneven sizes (full sections and a smaller last one), and
-# causal tiles from row 0 instead of aligned to end at seqlen_q, and the tile carry (a tile's last
-# turn issuing the next tile's first S; with the L2 prefetch of the next Q; with the register
-# epilogue; off). (The main-loop order is fixed per head dim at compile time: sm90/fwd_launch.cuh
-# kLoopFor.)
+# causal tiles from row 0 instead of aligned to end at seqlen_q. (The main-loop order is fixed per
+# head dim at compile time: sm90/fwd_launch.cuh kLoopFor.)
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
     dict(PINGPONG="1"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
     dict(HEAD_SECTIONS="0"),
-    dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0"),
-    dict(TILE_CARRY="1"), dict(TILE_CARRY="2"), dict(TILE_CARRY="1", TMA_STORE="0"),
-    dict(TILE_CARRY="1", PERSISTENT="0"), dict(TILE_CARRY="0")]
-SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "TILE_CARRY")
+    dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0")]
+SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END")
 
 
 def _sm90_or_skip(fwd_path):
@@ -466,7 +462,6 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, pingpong, fwd_path, 
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
-    ("FLASH_EXT_SM90_TILE_CARRY", "on", "FLASH_EXT_SM90_TILE_CARRY must be 0, 1 or 2"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

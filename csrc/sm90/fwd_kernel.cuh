@@ -211,16 +211,7 @@ __device__ __forceinline__ int tile_ring_pop(Storage& ss, int k) {
 
 }  // namespace fwd_detail
 
-// Whether a tile's kernel can run the tile carry (consumers, below): the carried S is 64 more live
-// registers per thread through the epilogue, which the 160-register 192-row d = 64 tile and
-// d = 256's 128 x 80 tile do not have (ptxas: 670 and 20-60 bytes of spills).
-template <typename Traits>
-constexpr bool kTileCarryFits = Traits::kConsumerWGs == 2 && Traits::kBlockN * Traits::kHeadDim <= 128 * 128;
-
-// kCarry: the tile carry (a kernel of its own: its code, even when not taken, changed ptxas's
-// register allocation of the main loop in the kernels without it; docs/perf-notes.md session 11).
-// Only without a mask, where the walk over tiles is static.
-template <typename Traits, bool kHasWindow, int kLoop, bool kCarry = false>
+template <typename Traits, bool kHasWindow, int kLoop>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fwd_detail;
@@ -231,7 +222,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  static_assert(!kCarry || (kTileCarryFits<Traits> && !kHasWindow), "the tile carry needs a static walk and the registers");
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
@@ -352,25 +342,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w - row_shift / 64), tQsQ);
       }
       ++q_loads;
-      // Tile carry's prefetch (p.sm90_tile_carry 2, static walk, fixed-length batches): with the
-      // carry a warpgroup needs the next tile's Q one turn after it released this tile's, so that
-      // Q goes to L2 now and its TMA load later finds it there.
-      if (kCarry && p.sm90_tile_carry == 2 && !varlen) {
-        const int t_next = t + int(gridDim.x);
-        if (t_next < scheduler.num_tiles) {
-          int m_next, head_next, batch_next;
-          scheduler.tile(t_next, m_next, head_next, batch_next);
-          Tensor gQn = local_tile(args.tma_q.get_tma_tensor(args.shape_q)(_, _, head_next, batch_next),
-                                  Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));
-          auto [tQgQn, tQsQn] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
-                                              group_modes<0, 2>(make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQSlab{})),
-                                              group_modes<0, 2>(gQn));
-          CUTE_UNROLL
-          for (int w = 0; w < Traits::kConsumerWGs; ++w) {
-            cute::prefetch(args.tma_q, tQgQn(_, m_next * Traits::kConsumerWGs + w - row_shift / 64));
-          }
-        }
-      }
       // K one block ahead of V: the consumers use K_n together with V_{n+1} (S_n beside
       // P_{n+1} V_{n+1}), so K_n goes out before V_{n+1}, and K's next load waits only for the
       // S GEMM that frees its stage, not also for the P V GEMM behind it (loading K_n and V_n
@@ -451,16 +422,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   PipelineState read_k, read_v;
   int q_loads = 0;
   if (pp_carry && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
-
-  // Tile carry (p.sm90_tile_carry; docs/kernels-sm90.md): a warpgroup's last turn of a tile issues
-  // P V of the tile's last key block and then S of the next tile's first block, waits for P V,
-  // runs the epilogue while that S runs on the tensor pipe, and carries S into the next tile, whose
-  // first turn is then a full S + P V turn. Without it each tile has two half turns (S alone, P V
-  // alone), under which the other warpgroup's softmax finds half the tensor work to hide under.
-  // Not with turns re-synchronised per tile (a carried turn spans two tiles).
-  const bool tile_carry = kCarry && !pp_per_tile;
-  Tensor acc_s_carried = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  bool s_carried = false;  // acc_s_carried holds S of this tile's first block, issued last tile
   for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
        t = next_tile(t)) {
     int m_block, head, batch, n_min = 0, n_max = 0;
@@ -481,15 +442,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
 
     // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
     // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
-    bool carry = false;  // this tile's last turn also issues S of the next tile's first block
-    // S of the first block: the carried fragment, or (without the carry) a fresh one, whose value
-    // is then dead after the first block as in the kernels before the carry.
-    Tensor acc_s_tile = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    auto& acc_s_first = [&]() -> auto& {
-      if constexpr (kCarry) return acc_s_carried; else return acc_s_tile;
-    }();
     if (n_min < n_max) {
       if (pp_per_tile && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
+      Barrier::wait(&ss.barrier_q[consumer_wg], q_loads & 1);
       // This warpgroup's rows of Q are free for the next tile once its last S = Q K^T is done.
       auto release_q_after = [&](int n) __attribute__((always_inline)) {
         if (n == n_min) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
@@ -506,32 +461,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       };
 
       int n_block = n_max - 1;
-      if (!s_carried) {  // else S of the first block was issued in the previous tile's last turn
-        Barrier::wait(&ss.barrier_q[consumer_wg], q_loads & 1);
+      {
+        Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         pipeline_k.consumer_wait(read_k);
         turn_begin();
-        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s_first);
+        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
         turn_end();
         warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_s_first);
+        warpgroup_fence_operand(acc_s);
         pipeline_k.consumer_release(read_k);
         ++read_k;
+        release_q_after(n_block);
+        scores_to_probs(acc_s, n_block, cute::true_type{});
+        convert_into(rP, acc_s);
       }
-      release_q_after(n_block);
-      scores_to_probs(acc_s_first, n_block, cute::true_type{});
-      convert_into(rP, acc_s_first);
       for (--n_block; n_block >= n_min; --n_block) {
         Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         pipeline_k.consumer_wait(read_k);
         pipeline_v.consumer_wait(read_v);
         turn_begin();
-        // With the tile carry, stage indices through redux.sync: ptxas then computes the K and V
-        // descriptors in uniform registers (else it did so in vector registers, with an R2UR
-        // before each wgmma: 30 per key block at d = 128).
-        const int k_stage = kCarry ? __reduce_max_sync(0xffffffffu, read_k.index()) : read_k.index();
-        const int v_stage = kCarry ? __reduce_max_sync(0xffffffffu, read_v.index()) : read_v.index();
-        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, k_stage), acc_s);
-        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), acc_o);
+        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
         turn_end();
         if constexpr (kLoop == kLoopPvFirst) {
           // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
@@ -574,52 +524,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         convert_into(rP, acc_s);
       }
       ++q_loads;
-      if (tile_carry) {  // carry when the next tile (static walk) has a key block
-        const int t_next = t + int(gridDim.x);
-        if (t_next < scheduler.num_tiles) {
-          int m_next, head_next, batch_next, n_min_next = 0, n_max_next = 0;
-          SeqInfo seq_next(p, 0);
-          scheduler.tile(t_next, m_next, head_next, batch_next);
-          carry = tile_work(m_next, batch_next, seq_next, n_min_next, n_max_next) && n_min_next < n_max_next;
-          // Warp-uniform for ptxas (redux.sync): K's pipeline state advances under `carry`, and
-          // from a divergent-looking value the state, and with it the wgmma descriptors of K and
-          // V, left the uniform registers (30 more R2UR per key block in the main loop).
-          carry = __reduce_max_sync(0xffffffffu, int(carry)) != 0;
-        }
-      }
       pipeline_v.consumer_wait(read_v);
-      if (carry) {
-        Barrier::wait(&ss.barrier_q[consumer_wg], q_loads & 1);
-        pipeline_k.consumer_wait(read_k);
-      }
-      // A new value of acc_s_first whether or not S is issued into it: the wgmma's asm reads its
-      // accumulator even when it zero-initialises it, so without this definition the first
-      // block's S stayed live through the whole main loop (262 bytes of spills at d = 128). A copy
-      // from a separate fragment instead made ptxas serialize every wgmma (C7514).
-      if constexpr (kCarry) clear(acc_s_first);
-      // Issue and wait in one branch each: ptxas does not relate two branches on `carry`, and with
-      // the S issue and the wait<1> under separate ones it took P V as possibly still in flight
-      // at the epilogue and serialized every wgmma (C7514).
-      if (carry) {
-        turn_begin();
-        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s_first);
-        turn_end();
-        warpgroup_wait<1>();  // P V done; the next tile's S runs under the epilogue below
-      } else {
-        turn_begin();
-        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-        turn_end();
-        warpgroup_wait<0>();
-      }
+      turn_begin();
+      warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+      turn_end();
+      warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       pipeline_v.consumer_release(read_v);
       ++read_v;
       if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
     }
 
-    // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse. With the tile carry it
-    // runs while the next tile's first S is in flight.
+    // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.
     float lse[kRows];
     softmax.finalize(o_rows, scale_log2, lse);
     const int64_t q_row0 = row0;
@@ -696,16 +612,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (row < rows_q && row >= -row0) lse_out[row] = lse[r];
       }
     }
-    // The carried S. The wait is unconditional: under `if (carry)` ptxas, which does not relate
-    // that branch to the one around the issue, took S as possibly in flight at the next tile's
-    // softmax and serialized every wgmma of the kernel (C7514).
-    warpgroup_wait<0>();
-    if (carry) {
-      warpgroup_fence_operand(acc_s_first);
-      pipeline_k.consumer_release(read_k);
-      ++read_k;
-    }
-    s_carried = carry;
   }
   if (pp_carry && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
   // Shared memory must outlive the last store's reads of it.

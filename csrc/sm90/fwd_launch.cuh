@@ -56,12 +56,7 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  // The tile carry (FLASH_EXT_SM90_TILE_CARRY=1/2; fwd_kernel.cuh): its own kernel, without a mask
-  // only (a static walk), where the carried S fits in the registers.
   auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
-  if constexpr (!kHasWindow && kTileCarryFits<Traits>) {
-    if (p.sm90_tile_carry != 0) kernel = &fwd_kernel<Traits, false, kLoopFor<Traits::kHeadDim>, true>;
-  }
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
