@@ -67,6 +67,8 @@ VARIANTS = {
     "pp": {"FLASH_EXT_SM90_PINGPONG": "1"},
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
     "nofold": {"FLASH_EXT_SM90_TILE_FOLD": "0"},
+    "qpf": {"FLASH_EXT_SM90_Q_PREFETCH": "1"},
+    "nofold_qpf": {"FLASH_EXT_SM90_TILE_FOLD": "0", "FLASH_EXT_SM90_Q_PREFETCH": "1"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

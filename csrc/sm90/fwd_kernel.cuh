@@ -36,8 +36,6 @@ namespace flash_ext::sm90 {
 // GEMMs only. A compile-time order: as a runtime value (until session 9) its branches made ptxas
 // copy the 32 registers of P at the loop's back edge, on each warpgroup's critical chain.
 constexpr int kLoopOverlap = 0, kLoopPvFirst = 1;
-// Phases of the consumers' epilogue (store_tile in the kernel).
-constexpr int kEpilogueAll = 0, kEpilogueFinish = 1, kEpilogueStoreO = 2;
 
 using namespace cute;
 
@@ -369,6 +367,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w - row_shift / 64), tQsQ);
       }
       ++q_loads;
+      // Q prefetch (p.sm90_q_prefetch; static walk, fixed-length batches): the next tile's Q goes
+      // to L2 now, so that its TMA load, issued once a warpgroup is done with this tile's Q, finds
+      // it there instead of in HBM.
+      if (p.sm90_q_prefetch && !dynamic && !varlen) {
+        const int t_next = t + int(gridDim.x);
+        if (t_next < scheduler.num_tiles) {
+          int m_next, head_next, batch_next;
+          scheduler.tile(t_next, m_next, head_next, batch_next);
+          Tensor gQn = local_tile(args.tma_q.get_tma_tensor(args.shape_q)(_, _, head_next, batch_next),
+                                  Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));
+          auto [tQgQn, tQsQn] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
+                                              group_modes<0, 2>(make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQSlab{})),
+                                              group_modes<0, 2>(gQn));
+          CUTE_UNROLL
+          for (int w = 0; w < Traits::kConsumerWGs; ++w) {
+            cute::prefetch(args.tma_q, tQgQn(_, m_next * Traits::kConsumerWGs + w - row_shift / 64));
+          }
+        }
+      }
       // K one block ahead of V: the consumers use K_n together with V_{n+1} (S_n beside
       // P_{n+1} V_{n+1}), so K_n goes out before V_{n+1}, and K's next load waits only for the
       // S GEMM that frees its stage, not also for the P V GEMM behind it (loading K_n and V_n
@@ -444,19 +461,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const int rescale_barrier = 1 + 2 * kWGs + consumer_wg;
   bool o_store_pending = false;  // this warpgroup's previous store may still read its tile
 
-  // Epilogue of a tile: normalize, store O (rows < seqlen, cols < head_dim) from o_src (acc_o or
-  // its converted copy) and lse. Phase kEpilogueAll: all of it; the tile fold splits it in two,
-  // kEpilogueFinish (normalize acc_o, store lse) and kEpilogueStoreO (O through the TMA store).
-  auto store_tile = [&](auto& softmax, const auto& o_src, int m_block, int head, int batch, const SeqInfo& seq,
-                        auto phase) __attribute__((always_inline)) {
-    constexpr int kPhase = decltype(phase)::value;
+  // Epilogue of a tile: normalize, store O (rows < seqlen, cols < head_dim) and lse.
+  auto store_tile = [&](auto& softmax, int m_block, int head, int batch, const SeqInfo& seq)
+                        __attribute__((always_inline)) {
     const int row0 = m_block * kBlockM - row_shift;  // may be negative (first tile, aligned to the end)
     const int rows_q = seq.seqlen_q - row0;  // rows [max(0, -row0), rows_q) of the tile exist
     float lse[kRows];
-    if constexpr (kPhase != kEpilogueStoreO) softmax.finalize(o_rows, scale_log2, lse);
+    softmax.finalize(o_rows, scale_log2, lse);
     const int64_t q_row0 = row0;
-    bool o_stored = kPhase == kEpilogueFinish;
-    if constexpr (Traits::kHasSmemO && kPhase != kEpilogueFinish) {
+    bool o_stored = false;
+    if constexpr (Traits::kHasSmemO) {
       if (tma_store_o) {
         using SmemLayoutO = typename Traits::SmemLayoutO;
         if constexpr (kFold) {  // without a branch (below): a thread without a store waits for none
@@ -483,8 +497,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
           const int row = get<0>(cO_wg(i)) - 64 * wg, col = get<1>(cO_wg(i));
           cutlass::Array<Element, 2> pair;
-          pair[0] = Element(o_src(i));
-          pair[1] = Element(o_src(i + 1));
+          pair[0] = Element(acc_o(i));
+          pair[1] = Element(acc_o(i + 1));
           uint32_t packed;
           static_assert(sizeof(pair) == sizeof(packed));
           memcpy(&packed, &pair, sizeof(packed));
@@ -539,8 +553,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         }
       }
     }
-    if constexpr (kPhase == kEpilogueStoreO) {
-    } else if constexpr (kFold) {  // predicated stores, no branch
+    if constexpr (kFold) {  // predicated stores, no branch
       float* lse_out = p.lse + seq.lse_offset + head * p.lse_head_stride + q_row0;
       const bool lse_writer = get<1>(cO_rows(0, 0)) == 0;
       CUTE_UNROLL
@@ -587,11 +600,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
       Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
       float correction[kRows];
-      // A finished tile's O, converted, until its store in the next turn: the epilogue's barrier
-      // waits and shared-memory stores then run while that turn's GEMMs do, not on the
-      // warpgroup's way to its next issue.
-      Tensor o_done = make_tensor<Element>(acc_o.layout());
-      bool o_pending = false;
       auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
@@ -629,26 +637,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
         warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
         turn_end();
-        // The previous tile's O goes out while this turn's GEMMs run (the wait below is idle time).
-        if (o_pending) {
-          int m_block, head, batch;
-          scheduler.tile(t - int(gridDim.x), m_block, head, batch);
-          store_tile(softmax, o_done, m_block, head, batch, SeqInfo(p, batch), cute::Int<kEpilogueStoreO>{});
-          o_pending = false;
-        }
         warpgroup_wait<1>();  // S is ready; P V is in flight
         warpgroup_fence_operand(acc_s);
         pipeline_k.consumer_release(read_k);
         ++read_k;
         if (n_block == 0) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
-        if (tile_end) {  // tile t is complete once this P V is: normalize it, lse, a fresh state
+        if (tile_end) {  // tile t is complete once this P V is: its epilogue, then a fresh state
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_o);
           int m_block, head, batch;
           scheduler.tile(t, m_block, head, batch);
-          store_tile(softmax, acc_o, m_block, head, batch, SeqInfo(p, batch), cute::Int<kEpilogueFinish>{});
-          convert_into(o_done, acc_o);
-          o_pending = true;
+          store_tile(softmax, m_block, head, batch, SeqInfo(p, batch));
           t += int(gridDim.x);
           CUTE_UNROLL
           for (int r = 0; r < kRows; ++r) {
@@ -681,14 +680,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       warpgroup_fence_operand(acc_o);
       pipeline_v.consumer_release(read_v);
       ++read_v;
-      if (o_pending) {
-        int m_block, head, batch;
-        scheduler.tile(t - int(gridDim.x), m_block, head, batch);
-        store_tile(softmax, o_done, m_block, head, batch, SeqInfo(p, batch), cute::Int<kEpilogueStoreO>{});
-      }
       int m_block, head, batch;
       scheduler.tile(t, m_block, head, batch);
-      store_tile(softmax, acc_o, m_block, head, batch, SeqInfo(p, batch), cute::Int<kEpilogueAll>{});
+      store_tile(softmax, m_block, head, batch, SeqInfo(p, batch));
     }
   } else {
     for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
@@ -803,7 +797,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
       }
 
-      store_tile(softmax, acc_o, m_block, head, batch, seq, cute::Int<kEpilogueAll>{});
+      store_tile(softmax, m_block, head, batch, seq);
     }
   }
   if (pp_carry && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
