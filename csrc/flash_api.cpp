@@ -243,9 +243,6 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.sm90_section_hb = p.sm90_section_big = p.sm90_section_big_hb = 0;  // set by the Hopper launch
   p.sm90_align_end = env_choice("FLASH_EXT_SM90_ALIGN_END", {"0", "1"}) != "0";
   p.sm90_row_shift = 0;  // set by the Hopper launch
-  const std::string tile_fold = env_choice("FLASH_EXT_SM90_TILE_FOLD", {"auto", "0", "1"});
-  p.sm90_tile_fold = tile_fold == "0" ? 0 : tile_fold == "1" ? 1 : -1;
-  p.sm90_q_prefetch = env_choice("FLASH_EXT_SM90_Q_PREFETCH", {"0", "1"}) == "1";
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
 
   at::Tensor lse;

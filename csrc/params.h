@@ -91,13 +91,6 @@ struct FwdParams {
   bool sm90_align_end;
   // Rows (a multiple of 64) by which the first query tile starts before row 0; set by the launch.
   int sm90_row_shift;
-  // Hopper kernel without a mask (fixed-length batch, d = 128): the tile fold, one key-block loop
-  // across a CTA's tiles (sm90/fwd_kernel.cuh). -1 auto, 0 off, 1 on where it applies
-  // (FLASH_EXT_SM90_TILE_FOLD=0/1, for A/B runs and tests).
-  int sm90_tile_fold;
-  // Hopper kernel, static walk, fixed-length batch: the producer prefetches the next tile's Q into
-  // L2 when it starts a tile (FLASH_EXT_SM90_Q_PREFETCH=1; off by default).
-  bool sm90_q_prefetch;
   // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
   // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).
   int num_sms;

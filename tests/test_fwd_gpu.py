@@ -326,16 +326,14 @@ def test_varlen_cuda_graph_capture():
 # grid (where a CTA's turns run on over several tiles) and the causal tile order without head
 # sections (all heads in one section), with them whatever the bandwidth estimate says, and in
 # uneven sizes (full sections and a smaller last one), and
-# causal tiles from row 0 instead of aligned to end at seqlen_q, and without the tile fold (on by
-# default without a mask at d = 128 where the TMA store runs: one key-block loop across a CTA's
-# tiles) and without ping-pong (the fold without turns). (The main-loop order is fixed per head
-# dim at compile time: sm90/fwd_launch.cuh kLoopFor.)
+# causal tiles from row 0 instead of aligned to end at seqlen_q, and ping-pong off with the TMA
+# store. (The main-loop order is fixed per head dim at compile time: sm90/fwd_launch.cuh kLoopFor.)
 SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
     dict(PINGPONG="1"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
     dict(HEAD_SECTIONS="0"),
     dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0"),
-    dict(TILE_FOLD="0"), dict(PINGPONG="0")]
-SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "TILE_FOLD")
+    dict(PINGPONG="0")]
+SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END")
 
 
 def _sm90_or_skip(fwd_path):
@@ -392,9 +390,8 @@ SM90_SWITCH_CASES = [
     # A right window without a left one is aligned too (d = 64, 700 rows: 64 rows before row 0
     # on both tiles); sq > sk.
     (torch.float16, 2, 700, 500, 8, 2, 64, dict(window_size=(-1, 40))),
-    # The tile fold (d = 128 without a mask): one key block per tile, so every turn but the first
-    # crosses a tile boundary (epilogue and fresh softmax state each turn); GQA; and more tiles
-    # than SMs with a partial last tile and a partial key block.
+    # d = 128 without a mask: one key block per tile (each turn a tile boundary); GQA with
+    # sk > sq; softcap with more tiles than SMs, a partial last tile and a partial key block.
     (torch.bfloat16, 2, 700, 100, 16, 16, 128, dict()),
     (torch.bfloat16, 2, 1000, 1300, 32, 4, 128, dict()),
     (torch.float16, 1, 4000, 333, 48, 48, 128, dict(softcap=15.0)),
@@ -471,7 +468,6 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, pingpong, fwd_path, 
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
-    ("FLASH_EXT_SM90_TILE_FOLD", "yes", "FLASH_EXT_SM90_TILE_FOLD must be auto, 0 or 1"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

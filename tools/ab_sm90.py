@@ -24,7 +24,6 @@ Variants (environment variables read by flash_api.cpp at each call):
   pp        FLASH_EXT_SM90_PINGPONG=1 (ping-pong forced on, the turn passed right after the issue;
             auto has it off at d = 256 without a mask)
   row0      FLASH_EXT_SM90_ALIGN_END=0 (causal query tiles from row 0, not aligned to end at seqlen_q)
-  nofold    FLASH_EXT_SM90_TILE_FOLD=0 (d = 128 without a mask: a loop per tile, not one across tiles)
 The variants of one row and cuDNN are timed in turns, --rounds times, in an order rotated from
 round to round, and each reports its median over the rounds, so that clock and thermal drift
 hit all of them alike (cuDNN moved by up to 25% between runs: compare within one run).
@@ -66,9 +65,6 @@ VARIANTS = {
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
     "pp": {"FLASH_EXT_SM90_PINGPONG": "1"},
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
-    "nofold": {"FLASH_EXT_SM90_TILE_FOLD": "0"},
-    "qpf": {"FLASH_EXT_SM90_Q_PREFETCH": "1"},
-    "nofold_qpf": {"FLASH_EXT_SM90_TILE_FOLD": "0", "FLASH_EXT_SM90_Q_PREFETCH": "1"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

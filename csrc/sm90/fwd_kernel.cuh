@@ -186,24 +186,6 @@ __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t smem_addr) {
   return v;
 }
 
-// Predicated stores for the tile fold's epilogue, which sits inside the main loop: any branch on a
-// per-thread value there (an `if` around a store, or around one thread's TMA issue) made ptxas
-// move the loop's K/V stage values and wgmma descriptors out of the uniform registers (an R2UR
-// before each wgmma: 54 per key block at d = 128); a predicated instruction does not.
-__device__ __forceinline__ void st_global_f32_if(bool pred, float* ptr, float v) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.u32 p, %0, 0;\n @p st.global.f32 [%1], %2;\n}\n"
-               ::"r"(uint32_t(pred)), "l"(ptr), "f"(v) : "memory");
-}
-// As CuTe's SM90_TMA_STORE_4D, issued only where pred holds.
-__device__ __forceinline__ void tma_store_4d_if(bool pred, void const* desc, void const* smem, int32_t c0, int32_t c1,
-                                                int32_t c2, int32_t c3) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.u32 p, %0, 0;\n"
-      " @p cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%1, {%3, %4, %5, %6}], [%2];\n}\n"
-      ::"r"(uint32_t(pred)), "l"(reinterpret_cast<uint64_t>(desc)), "r"(cute::cast_smem_ptr_to_uint(smem)),
-        "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
-}
-
 // The dynamic scheduler's ring (SharedStorage::tile_slot, tile_full, tile_empty): the k-th tile
 // index a CTA walks goes through slot k % 2. The producer thread waits until every consumer
 // thread has read the slot's previous index; consumers wait for the producer's arrival.
@@ -229,12 +211,7 @@ __device__ __forceinline__ int tile_ring_pop(Storage& ss, int k) {
 
 }  // namespace fwd_detail
 
-// Whether a tile config gets a tile-fold kernel (kFold below): two consumer warpgroups with the
-// softmax under their own P V GEMM; instantiated at d = 128 only, the head dim it was measured at.
-template <typename Traits>
-constexpr bool kTileFoldFits = Traits::kConsumerWGs == 2 && Traits::kHeadDim == 128;
-
-template <typename Traits, bool kHasWindow, int kLoop, bool kFold = false>
+template <typename Traits, bool kHasWindow, int kLoop>
 __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fwd_detail;
@@ -245,8 +222,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  static_assert(!kFold || (!kHasWindow && kLoop == kLoopOverlap && kTileFoldFits<Traits>),
-                "the tile fold needs a static walk, the overlapped loop order and two consumer warpgroups");
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
@@ -367,25 +342,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w - row_shift / 64), tQsQ);
       }
       ++q_loads;
-      // Q prefetch (p.sm90_q_prefetch; static walk, fixed-length batches): the next tile's Q goes
-      // to L2 now, so that its TMA load, issued once a warpgroup is done with this tile's Q, finds
-      // it there instead of in HBM.
-      if (p.sm90_q_prefetch && !dynamic && !varlen) {
-        const int t_next = t + int(gridDim.x);
-        if (t_next < scheduler.num_tiles) {
-          int m_next, head_next, batch_next;
-          scheduler.tile(t_next, m_next, head_next, batch_next);
-          Tensor gQn = local_tile(args.tma_q.get_tma_tensor(args.shape_q)(_, _, head_next, batch_next),
-                                  Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));
-          auto [tQgQn, tQsQn] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
-                                              group_modes<0, 2>(make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQSlab{})),
-                                              group_modes<0, 2>(gQn));
-          CUTE_UNROLL
-          for (int w = 0; w < Traits::kConsumerWGs; ++w) {
-            cute::prefetch(args.tma_q, tQgQn(_, m_next * Traits::kConsumerWGs + w - row_shift / 64));
-          }
-        }
-      }
       // K one block ahead of V: the consumers use K_n together with V_{n+1} (S_n beside
       // P_{n+1} V_{n+1}), so K_n goes out before V_{n+1}, and K's next load waits only for the
       // S GEMM that frees its stage, not also for the P V GEMM behind it (loading K_n and V_n
@@ -461,11 +417,125 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const int rescale_barrier = 1 + 2 * kWGs + consumer_wg;
   bool o_store_pending = false;  // this warpgroup's previous store may still read its tile
 
-  // Epilogue of a tile: normalize, store O (rows < seqlen, cols < head_dim) and lse.
-  auto store_tile = [&](auto& softmax, int m_block, int head, int batch, const SeqInfo& seq)
-                        __attribute__((always_inline)) {
+  int tiles_popped = 0;
+  auto next_tile = [&](int t) { return dynamic ? tile_ring_pop(ss, tiles_popped++) : t + int(gridDim.x); };
+  PipelineState read_k, read_v;
+  int q_loads = 0;
+  if (pp_carry && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
+  for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
+       t = next_tile(t)) {
+    int m_block, head, batch, n_min = 0, n_max = 0;
+    scheduler.tile(t, m_block, head, batch);
+    SeqInfo seq(p, batch);
+    if (!tile_work(m_block, batch, seq, n_min, n_max)) continue;
     const int row0 = m_block * kBlockM - row_shift;  // may be negative (first tile, aligned to the end)
     const int rows_q = seq.seqlen_q - row0;  // rows [max(0, -row0), rows_q) of the tile exist
+    const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+
+    OnlineSoftmax<kRows> softmax;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      softmax.row_max[r] = -INFINITY;
+      softmax.row_sum[r] = 0.f;
+    }
+    clear(acc_o);
+
+    // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
+    // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
+    if (n_min < n_max) {
+      if (pp_per_tile && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
+      Barrier::wait(&ss.barrier_q[consumer_wg], q_loads & 1);
+      // This warpgroup's rows of Q are free for the next tile once its last S = Q K^T is done.
+      auto release_q_after = [&](int n) __attribute__((always_inline)) {
+        if (n == n_min) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
+      };
+      Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
+      Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
+      float correction[kRows];
+
+      auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
+        if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
+        Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
+        if (mask.needs_mask_rows(row0, n_block)) mask.apply_rows(scores, cS_rows, row0, n_block);
+        softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
+      };
+
+      int n_block = n_max - 1;
+      {
+        Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        pipeline_k.consumer_wait(read_k);
+        turn_begin();
+        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+        turn_end();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        release_q_after(n_block);
+        scores_to_probs(acc_s, n_block, cute::true_type{});
+        convert_into(rP, acc_s);
+      }
+      for (--n_block; n_block >= n_min; --n_block) {
+        Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        pipeline_k.consumer_wait(read_k);
+        pipeline_v.consumer_wait(read_v);
+        turn_begin();
+        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+        turn_end();
+        if constexpr (kLoop == kLoopPvFirst) {
+          // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_s);
+          warpgroup_fence_operand(acc_o);
+          pipeline_k.consumer_release(read_k);
+          ++read_k;
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+          release_q_after(n_block);
+          scores_to_probs(acc_s, n_block, cute::false_type{});
+          if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
+          convert_into(rP, acc_s);
+          continue;
+        }
+        warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
+        warpgroup_fence_operand(acc_s);
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        release_q_after(n_block);
+        scores_to_probs(acc_s, n_block, cute::false_type{});
+        // The wait for P V comes after the softmax in the source, but ptxas, which sees no
+        // dependency between them, hoisted it above the softmax (SASS: WARPGROUP.DEPBAR right
+        // after the row max), so the softmax ran after P V instead of under it. A wait inside a
+        // branch on the softmax's own result (does any row of the warpgroup need its O
+        // rescaled?) stays below the softmax, and the unconditional wait after it stays below the
+        // branch. The vote is warpgroup-wide (bar.red): with a per-warp vote, warps of one
+        // warpgroup executed different wgmma.wait_group instructions (compute-sanitizer
+        // synccheck: "mismatching warpgroup instruction pc between warps").
+        if (named_barrier_any(softmax.needs_rescale(correction), rescale_barrier, 128)) {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_o);
+          softmax.rescale(o_rows, correction);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        pipeline_v.consumer_release(read_v);
+        ++read_v;
+        convert_into(rP, acc_s);
+      }
+      ++q_loads;
+      pipeline_v.consumer_wait(read_v);
+      turn_begin();
+      warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+      turn_end();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      pipeline_v.consumer_release(read_v);
+      ++read_v;
+      if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
+    }
+
+    // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.
     float lse[kRows];
     softmax.finalize(o_rows, scale_log2, lse);
     const int64_t q_row0 = row0;
@@ -473,10 +543,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     if constexpr (Traits::kHasSmemO) {
       if (tma_store_o) {
         using SmemLayoutO = typename Traits::SmemLayoutO;
-        if constexpr (kFold) {  // without a branch (below): a thread without a store waits for none
-          tma_store_wait<0>();
-          named_barrier_sync(o_barrier, 128);
-        } else if (o_store_pending) {  // the previous tile's store must have read sO before it is rewritten
+        if (o_store_pending) {  // the previous tile's store must have read sO before it is rewritten
           if (o_store_leader) tma_store_wait<0>();
           named_barrier_sync(o_barrier, 128);
         }
@@ -509,23 +576,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         // A box wholly before row 0 (the first tile of a causal call aligned to the end) is not
         // stored: the TMA unit clips rows past the end but faults on a negative start row.
         const int o_box = m_block * Traits::kConsumerWGs + wg - row_shift / 64;
-        if constexpr (kFold) {  // no row shift without a mask; the leader's store as predicated PTX
-          Tensor sO = make_tensor(make_smem_ptr(ss.o.o.data() + wg * cosize_v<SmemLayoutO>), SmemLayoutO{});
-          Tensor mO = args.tma_o.get_tma_tensor(args.shape_q)(_, _, head, batch);
-          Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{}, make_coord(o_box, _0{}));
-          auto [tOgO, tOsO] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-          // One mode of (TMA box, boxes): d = 128 bf16 is two boxes of 64 columns (128-byte swizzle).
-          static_assert(decltype(rank(tOgO))::value == 1 && decltype(rank<0>(tOgO))::value == 2);
-          constexpr int kBoxes = decltype(size<0, 1>(tOgO))::value;
-          constexpr int kBoxElems = decltype(size(tOgO))::value / kBoxes;
-          CUTE_UNROLL
-          for (int i = 0; i < kBoxes; ++i) {  // box i's first element, by its index in either tensor
-            const auto crd = tOgO(i * kBoxElems);
-            tma_store_4d_if(o_store_leader, args.tma_o.get_tma_descriptor(), &tOsO(i * kBoxElems),
-                            get<0>(crd), get<1>(crd), get<2>(crd), get<3>(crd));
-          }
-          tma_store_arrive();  // an empty bulk group in the other threads
-        } else if (o_store_leader && o_box >= 0) {
+        if (o_store_leader && o_box >= 0) {
           // The tensor map has O's real extents: rows >= seqlen_q and columns >= head_dim are
           // clipped by the TMA unit.
           Tensor sO = make_tensor(make_smem_ptr(ss.o.o.data() + wg * cosize_v<SmemLayoutO>), SmemLayoutO{});
@@ -540,7 +591,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         o_stored = true;
       }
     }
-    if (!kFold && !o_stored) {  // kFold: the launch ensures the TMA store
+    if (!o_stored) {
       Element* o_tile = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride + q_row0 * p.o_row_stride;
       CUTE_UNROLL
       for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
@@ -553,251 +604,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         }
       }
     }
-    if constexpr (kFold) {  // predicated stores, no branch
-      float* lse_out = p.lse + seq.lse_offset + head * p.lse_head_stride + q_row0;
-      const bool lse_writer = get<1>(cO_rows(0, 0)) == 0;
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int row = get<0>(cO_rows(r, 0));
-        st_global_f32_if(lse_writer && row < rows_q, lse_out + row, lse[r]);
-      }
-    } else if (get<1>(cO_rows(0, 0)) == 0) {
+    if (get<1>(cO_rows(0, 0)) == 0) {
       float* lse_out = p.lse + seq.lse_offset + head * p.lse_head_stride + q_row0;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const int row = get<0>(cO_rows(r, 0));
         if (row < rows_q && row >= -row0) lse_out[row] = lse[r];
       }
-    }
-  };
-
-  int tiles_popped = 0;
-  auto next_tile = [&](int t) { return dynamic ? tile_ring_pop(ss, tiles_popped++) : t + int(gridDim.x); };
-  PipelineState read_k, read_v;
-  int q_loads = 0;
-  if (pp_carry && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
-  if constexpr (kFold) {
-    // Tile fold (unmasked fixed-length calls, static walk): one key-block loop runs across this
-    // CTA's tiles. The turn that issues P V of a tile's last block also issues S of the next
-    // tile's first block, and the tile's epilogue runs in that turn, once its P V is done, before
-    // the softmax of the next tile's first block. Each warpgroup then takes one turn per key
-    // block instead of one per block plus one per tile: without the fold, a tile's first turn
-    // (S alone) and last turn (P V alone) give the other warpgroup's softmax half the tensor
-    // work to hide under (d = 128: 5-7% slower at 2k than at 16k; docs/perf-notes.md session 11).
-    // One loop instead of a tail after each tile's loop: code after the main loop (the carry of
-    // session 11) moved ptxas's register allocation of the main loop itself.
-    int t = int(blockIdx.x);
-    if (t < scheduler.num_tiles) {
-      const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;  // the launch ensures >= 1
-      const BlockMask<kBlockM, kBlockN, false> mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
-      OnlineSoftmax<kRows> softmax;
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        softmax.row_max[r] = -INFINITY;
-        softmax.row_sum[r] = 0.f;
-      }
-      clear(acc_o);
-      Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
-      Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
-      float correction[kRows];
-      auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
-        if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
-        Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
-        if (mask.needs_mask_rows(0, n_block)) mask.apply_rows(scores, cS_rows, 0, n_block);
-        softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
-      };
-
-      int n_block = n_blocks - 1;
-      Barrier::wait(&ss.barrier_q[consumer_wg], q_loads & 1);
-      {  // the first turn: S of the first tile's first block alone
-        Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        pipeline_k.consumer_wait(read_k);
-        turn_begin();
-        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-        turn_end();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_s);
-        pipeline_k.consumer_release(read_k);
-        ++read_k;
-        if (n_block == 0) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
-        scores_to_probs(acc_s, n_block, cute::true_type{});
-        convert_into(rP, acc_s);
-      }
-      while (true) {
-        // S of block n_block (of tile t, or of the next tile's first block at a tile boundary)
-        // beside P V of the block before it.
-        const bool tile_end = n_block == 0;
-        if (tile_end && t + int(gridDim.x) >= scheduler.num_tiles) break;
-        n_block = tile_end ? n_blocks - 1 : n_block - 1;
-        if (tile_end) Barrier::wait(&ss.barrier_q[consumer_wg], ++q_loads & 1);
-        Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        pipeline_k.consumer_wait(read_k);
-        pipeline_v.consumer_wait(read_v);
-        turn_begin();
-        warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-        turn_end();
-        warpgroup_wait<1>();  // S is ready; P V is in flight
-        warpgroup_fence_operand(acc_s);
-        pipeline_k.consumer_release(read_k);
-        ++read_k;
-        if (n_block == 0) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
-        if (tile_end) {  // tile t is complete once this P V is: its epilogue, then a fresh state
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_o);
-          int m_block, head, batch;
-          scheduler.tile(t, m_block, head, batch);
-          store_tile(softmax, m_block, head, batch, SeqInfo(p, batch));
-          t += int(gridDim.x);
-          CUTE_UNROLL
-          for (int r = 0; r < kRows; ++r) {
-            softmax.row_max[r] = -INFINITY;
-            softmax.row_sum[r] = 0.f;
-          }
-          clear(acc_o);
-        }
-        // After a tile boundary the state is fresh (max -inf): the correction is 0 and the vote
-        // below rescales the cleared O, so the first block needs no path of its own here.
-        scores_to_probs(acc_s, n_block, cute::false_type{});
-        // As in the loop below: the wait for P V stays below the softmax through the vote.
-        if (named_barrier_any(softmax.needs_rescale(correction), rescale_barrier, 128)) {
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_o);
-          softmax.rescale(o_rows, correction);
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_o);
-        pipeline_v.consumer_release(read_v);
-        ++read_v;
-        convert_into(rP, acc_s);
-      }
-      // The last turn: P V of the last tile's last block alone.
-      pipeline_v.consumer_wait(read_v);
-      turn_begin();
-      warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-      turn_end();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      pipeline_v.consumer_release(read_v);
-      ++read_v;
-      int m_block, head, batch;
-      scheduler.tile(t, m_block, head, batch);
-      store_tile(softmax, m_block, head, batch, SeqInfo(p, batch));
-    }
-  } else {
-    for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
-         t = next_tile(t)) {
-      int m_block, head, batch, n_min = 0, n_max = 0;
-      scheduler.tile(t, m_block, head, batch);
-      SeqInfo seq(p, batch);
-      if (!tile_work(m_block, batch, seq, n_min, n_max)) continue;
-      const int row0 = m_block * kBlockM - row_shift;  // may be negative (first tile, aligned to the end)
-      const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
-
-      OnlineSoftmax<kRows> softmax;
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        softmax.row_max[r] = -INFINITY;
-        softmax.row_sum[r] = 0.f;
-      }
-      clear(acc_o);
-
-      // Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the softmax of block j runs while
-      // the tensor cores compute O += P_{j+1} V_{j+1}; the output is rescaled once that GEMM is done.
-      if (n_min < n_max) {
-        if (pp_per_tile && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
-        Barrier::wait(&ss.barrier_q[consumer_wg], q_loads & 1);
-        // This warpgroup's rows of Q are free for the next tile once its last S = Q K^T is done.
-        auto release_q_after = [&](int n) __attribute__((always_inline)) {
-          if (n == n_min) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
-        };
-        Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
-        Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
-        float correction[kRows];
-
-        auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
-          if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
-          Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
-          if (mask.needs_mask_rows(row0, n_block)) mask.apply_rows(scores, cS_rows, row0, n_block);
-          softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
-        };
-
-        int n_block = n_max - 1;
-        {
-          Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-          pipeline_k.consumer_wait(read_k);
-          turn_begin();
-          warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-          turn_end();
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_s);
-          pipeline_k.consumer_release(read_k);
-          ++read_k;
-          release_q_after(n_block);
-          scores_to_probs(acc_s, n_block, cute::true_type{});
-          convert_into(rP, acc_s);
-        }
-        for (--n_block; n_block >= n_min; --n_block) {
-          Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-          pipeline_k.consumer_wait(read_k);
-          pipeline_v.consumer_wait(read_v);
-          turn_begin();
-          warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
-          warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-          turn_end();
-          if constexpr (kLoop == kLoopPvFirst) {
-            // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(acc_s);
-            warpgroup_fence_operand(acc_o);
-            pipeline_k.consumer_release(read_k);
-            ++read_k;
-            pipeline_v.consumer_release(read_v);
-            ++read_v;
-            release_q_after(n_block);
-            scores_to_probs(acc_s, n_block, cute::false_type{});
-            if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
-            convert_into(rP, acc_s);
-            continue;
-          }
-          warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
-          warpgroup_fence_operand(acc_s);
-          pipeline_k.consumer_release(read_k);
-          ++read_k;
-          release_q_after(n_block);
-          scores_to_probs(acc_s, n_block, cute::false_type{});
-          // The wait for P V comes after the softmax in the source, but ptxas, which sees no
-          // dependency between them, hoisted it above the softmax (SASS: WARPGROUP.DEPBAR right
-          // after the row max), so the softmax ran after P V instead of under it. A wait inside a
-          // branch on the softmax's own result (does any row of the warpgroup need its O
-          // rescaled?) stays below the softmax, and the unconditional wait after it stays below the
-          // branch. The vote is warpgroup-wide (bar.red): with a per-warp vote, warps of one
-          // warpgroup executed different wgmma.wait_group instructions (compute-sanitizer
-          // synccheck: "mismatching warpgroup instruction pc between warps").
-          if (named_barrier_any(softmax.needs_rescale(correction), rescale_barrier, 128)) {
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(acc_o);
-            softmax.rescale(o_rows, correction);
-          }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_o);
-          pipeline_v.consumer_release(read_v);
-          ++read_v;
-          convert_into(rP, acc_s);
-        }
-        ++q_loads;
-        pipeline_v.consumer_wait(read_v);
-        turn_begin();
-        warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
-        turn_end();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_o);
-        pipeline_v.consumer_release(read_v);
-        ++read_v;
-        if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
-      }
-
-      store_tile(softmax, m_block, head, batch, seq);
     }
   }
   if (pp_carry && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over

@@ -56,17 +56,7 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  // The tile fold (fwd_kernel.cuh kFold): a kernel of its own, for unmasked fixed-length calls
-  // with the TMA-store epilogue and ping-pong turns that carry on across tiles (or none), where
-  // kTileFoldFits.
-  if (p.sm90_pingpong < 0) args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : 1;
-  bool fold = false;
-  if constexpr (kTileFoldFits<Traits> && !kHasWindow) {
-    fold = p.sm90_tile_fold != 0 && !varlen && p.seqlen_k > 0 && args.p.sm90_tma_store_o &&
-           args.p.sm90_pingpong != 2;
-  }
-  auto kernel = fold ? &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>, kTileFoldFits<Traits> && !kHasWindow>
-                     : &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
+  auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
@@ -133,6 +123,7 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). The turn passes right after
   // the issue (a late hand-over, once S is done, won and lost by 0.3-3% in four H100 runs:
   // docs/perf-notes.md sessions 6-7). FLASH_EXT_SM90_PINGPONG forces a mode.
+  if (p.sm90_pingpong < 0) args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : 1;
   const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
