@@ -244,6 +244,13 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   p.sm90_align_end = env_choice("FLASH_EXT_SM90_ALIGN_END", {"0", "1"}) != "0";
   p.sm90_row_shift = 0;  // set by the Hopper launch
   p.tile_counter = nullptr;  // set in launch() when the Hopper kernel's dynamic scheduler runs
+  const std::string stream_k = env_choice("FLASH_EXT_SM90_STREAM_K", {"auto", "0", "1"});
+  p.sm90_stream_k = stream_k == "0" ? 0 : stream_k == "1" ? 1 : -1;
+  p.sm90_dp_tiles = p.sm90_work_end = 0;  // set by the Hopper launch
+  p.sm90_sk_count = nullptr;
+  p.sm90_sk_partial = nullptr;
+  p.alloc_workspace = nullptr;  // set in launch()
+  p.alloc_ctx = nullptr;
 
   at::Tensor lse;
   const int r = varlen ? 0 : 1;  // index of the seqlen dim
@@ -313,6 +320,18 @@ void launch(FwdParams& p, const at::Tensor& q) {
     p.tile_counter = tile_counter.data_ptr<int>();
     C10_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream));
   }
+  // Workspace on request of the launch (the Hopper stream-K tail), freed on return like the
+  // counter above: stream-ordered reuse keeps it valid for this launch.
+  struct Workspace {
+    at::TensorOptions options;
+    at::Tensor buffer;
+  } workspace{q.options().dtype(at::kByte), {}};
+  p.alloc_ctx = &workspace;
+  p.alloc_workspace = [](void* ctx, size_t bytes) -> void* {
+    auto& w = *static_cast<Workspace*>(ctx);
+    w.buffer = at::empty({int64_t(bytes)}, w.options);
+    return w.buffer.data_ptr();
+  };
   run_fwd(p, path, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

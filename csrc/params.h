@@ -1,6 +1,7 @@
 // Plain parameter structs shared by the torch-facing layer (flash_api.cpp) and the kernels.
 // No torch or CUTLASS types here: kernel translation units include this file only.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 namespace flash_ext {
@@ -99,6 +100,22 @@ struct FwdParams {
   // Hopper kernel, persistent grid under a causal/local mask: a zero-initialised int32 on the
   // device from which CTAs claim tiles (flash_api.cpp allocates it per call); nullptr otherwise.
   int* tile_counter;
+  // Hopper kernel without a mask, persistent grid: the stream-K tail (sm90/stream_k.h).
+  // sm90_stream_k: -1 auto (where the last wave leaves enough SMs idle), 0 off, 1 wherever it
+  // can run (FLASH_EXT_SM90_STREAM_K, for measurements and tests). The launch sets the rest:
+  // tiles [sm90_dp_tiles, number of tiles) are cut along the keys over all CTAs, whose static
+  // walk then runs up to index sm90_work_end (= the number of tiles, and sm90_dp_tiles too, when
+  // the tail is walked whole); sm90_sk_count (zeroed per call) and sm90_sk_partial hold the
+  // pieces' arrival counters and partial states.
+  int sm90_stream_k;
+  int sm90_dp_tiles, sm90_work_end;
+  int* sm90_sk_count;
+  float* sm90_sk_partial;
+  // Device workspace for a launch (stream-K above): alloc_workspace(alloc_ctx, bytes) returns
+  // memory that stays valid for work queued on the launch's stream (flash_api.cpp: a tensor from
+  // PyTorch's caching allocator). nullptr: no workspace, so no stream-K.
+  void* (*alloc_workspace)(void* ctx, size_t bytes);
+  void* alloc_ctx;
 };
 
 }  // namespace flash_ext

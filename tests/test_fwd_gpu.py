@@ -333,7 +333,10 @@ SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for 
     dict(HEAD_SECTIONS="0"),
     dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0"),
     dict(PINGPONG="0")]
-SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END")
+SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "STREAM_K")
+# Unset switches run at their defaults, except the stream-K tail: it changes the summation order
+# of the tail tiles (so no bitwise match with the other grids); test_sm90_stream_k covers it.
+SM90_SWITCH_DEFAULTS = dict(STREAM_K="0")
 
 
 def _sm90_or_skip(fwd_path):
@@ -350,8 +353,8 @@ def _each_sm90_switch(monkeypatch, run, check):
     first = None
     for env in SM90_SWITCHES:
         for name in SM90_SWITCH_NAMES:
-            if name in env:
-                monkeypatch.setenv(f"FLASH_EXT_SM90_{name}", env[name])
+            if name in env or name in SM90_SWITCH_DEFAULTS:
+                monkeypatch.setenv(f"FLASH_EXT_SM90_{name}", env.get(name, SM90_SWITCH_DEFAULTS.get(name)))
             else:
                 monkeypatch.delenv(f"FLASH_EXT_SM90_{name}", raising=False)
         label = " ".join(f"{k}={v}" for k, v in env.items())
@@ -460,6 +463,68 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, pingpong, fwd_path, 
     assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"LAZY_RESCALE={lazy} PINGPONG={pingpong}")
 
 
+# Stream-K tail (sm90/stream_k.h): without a mask, on the persistent grid, the key blocks of the
+# last partial wave's tiles are split over all SMs and the pieces merged by the last to arrive.
+# (dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head dim, kwargs, env). The tile of each
+# case is fixed (FWD_TILE where a head dim has two), so the test knows whether the tail is split.
+SM90_STREAM_K_CASES = [
+    (torch.bfloat16, 1, 1000, 1000, 3, 3, 128, dict(), {}),       # one partial wave (24 tiles)
+    (torch.float16, 3, 2048, 2048, 3, 3, 128, dict(), {}),        # whole tiles, then the tail
+    (torch.bfloat16, 2, 1000, 1300, 8, 2, 128, dict(), {}),       # GQA, sk > sq, partial key block
+    (torch.float16, 1, 700, 700, 5, 5, 128, dict(softcap=15.0), {}),
+    (torch.bfloat16, 1, 1000, 1000, 3, 3, 128, dict(), dict(TMA_STORE="0")),  # register epilogue
+    (torch.bfloat16, 1, 1000, 1000, 3, 3, 128, dict(), dict(PINGPONG="0")),
+    (torch.bfloat16, 1, 256, 8448, 1, 1, 128, dict(), {}),        # 2 tiles of 66 key blocks each
+    (torch.float16, 1, 50, 20000, 1, 1, 128, dict(), {}),         # 1 tile over every SM
+    (torch.bfloat16, 2, 1000, 1000, 4, 4, 64, dict(), dict(FWD_TILE="alt")),   # 192 rows, 3 WGs
+    (torch.bfloat16, 2, 1000, 1000, 4, 4, 64, dict(), dict(FWD_TILE="base")),
+    (torch.bfloat16, 1, 1000, 1000, 4, 4, 96, dict(), {}),
+    (torch.float16, 1, 1000, 1000, 4, 4, 192, dict(), {}),
+    (torch.bfloat16, 1, 1000, 1000, 6, 6, 256, dict(), dict(FWD_TILE="alt")),  # registers, 128 x 80
+    (torch.float16, 1, 1000, 999, 6, 6, 256, dict(), dict(FWD_TILE="base")),
+]
+# (kBlockM, kBlockN) of the Hopper kernel per (head dim, FWD_TILE): sm90/fwd_launch.cuh.
+_SM90_TILE = {(64, "alt"): (192, 128), (64, "base"): (128, 128), (96, None): (128, 128),
+              (128, None): (128, 128), (192, None): (128, 64), (256, "alt"): (128, 80),
+              (256, "base"): (128, 64)}
+
+
+def _stream_k_splits(b, sq, sk, hq, d, tile):
+    """Whether the launch splits the tail when forced (FLASH_EXT_SM90_STREAM_K=1): tiles not a
+    multiple of the SMs, and at least one key block per SM in the tail."""
+    block_m, block_n = _SM90_TILE[(d, tile)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = b * hq * -(-sq // block_m)
+    tail = tiles % sms
+    return tail > 0 and tail * -(-sk // block_n) >= sms
+
+
+@pytest.mark.parametrize("case", SM90_STREAM_K_CASES, ids=lambda c: _case_id(c) + str(c[8]))
+def test_sm90_stream_k(case, fwd_path, monkeypatch, record_property):
+    """Forced on: matches the reference, is deterministic (the pieces merge in CTA order, not
+    arrival order), and differs in its bits from the whole-tile walk where the tail is split (so
+    the split really ran). Auto (the default) matches the reference too."""
+    _sm90_or_skip(fwd_path)
+    dtype, b, sq, sk, hq, hkv, d, kw, env = case
+    for name, value in env.items():
+        monkeypatch.setenv(f"FLASH_EXT_SM90_{name}", value)
+    q, k, v = rand_qkv(b, sq, sk, hq, hkv, d, dtype)
+    ref, ref_lse = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    results = {}
+    for mode in ("1", "1", "0", "auto"):
+        monkeypatch.setenv("FLASH_EXT_SM90_STREAM_K", mode)
+        out, lse = flash_ext.attn_fwd(q, k, v, **kw)
+        assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"STREAM_K={mode} {env}")
+        if mode in results:
+            assert torch.equal(out, results[mode][0]) and torch.equal(lse, results[mode][1]), \
+                "STREAM_K=1: two runs differ (the merge order must not depend on arrival)"
+        results[mode] = (out, lse)
+    if _stream_k_splits(b, sq, sk, hq, d, env.get("FWD_TILE")):
+        assert not torch.equal(results["1"][1], results["0"][1]), \
+            "STREAM_K=1 gave the whole-tile walk's lse bit for bit: the tail was not split"
+
+
 @pytest.mark.parametrize("var,value,message", [
     ("FLASH_EXT_SM90_FWD_TILE", "huge", "FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"),
     ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1 or tile"),
@@ -468,6 +533,7 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, pingpong, fwd_path, 
     ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
     ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
     ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
+    ("FLASH_EXT_SM90_STREAM_K", "yes", "FLASH_EXT_SM90_STREAM_K must be auto, 0 or 1"),
     ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
 ])
 def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):

@@ -2,7 +2,7 @@
 process (developer tool for docs/perf-notes.md).
 
 Usage: PYTHONPATH=. python tools/ab_sm90.py [--variants auto,old,tma_off,per_tile] [--hdims 64,128]
-       [--seqlens 1024,4096] [--masks full,causal,local] [--rounds 3] [--no-cudnn]
+       [--seqlens 1024,4096] [--masks full,causal,local] [--rounds 3] [--no-cudnn] [--bh 1x10]
 
 Variants (environment variables read by flash_api.cpp at each call):
   auto      the defaults: TMA-store epilogue (d <= 192), persistent grid (tiles claimed from a
@@ -24,6 +24,9 @@ Variants (environment variables read by flash_api.cpp at each call):
   pp        FLASH_EXT_SM90_PINGPONG=1 (ping-pong forced on, the turn passed right after the issue;
             auto has it off at d = 256 without a mask)
   row0      FLASH_EXT_SM90_ALIGN_END=0 (causal query tiles from row 0, not aligned to end at seqlen_q)
+  nosk      FLASH_EXT_SM90_STREAM_K=0 (no mask: the last partial wave's tiles walked whole)
+  sk        FLASH_EXT_SM90_STREAM_K=1 (the stream-K tail wherever it can run, not only where auto
+            expects a gain)
 The variants of one row and cuDNN are timed in turns, --rounds times, in an order rotated from
 round to round, and each reports its median over the rounds, so that clock and thermal drift
 hit all of them alike (cuDNN moved by up to 25% between runs: compare within one run).
@@ -65,6 +68,8 @@ VARIANTS = {
     "alt_nopp": {"FLASH_EXT_SM90_FWD_TILE": "alt", "FLASH_EXT_SM90_PINGPONG": "0"},
     "pp": {"FLASH_EXT_SM90_PINGPONG": "1"},
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
+    "nosk": {"FLASH_EXT_SM90_STREAM_K": "0"},
+    "sk": {"FLASH_EXT_SM90_STREAM_K": "1"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 
@@ -81,6 +86,8 @@ def main():
     ap.add_argument("--masks", default="full,causal")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-cudnn", action="store_true")
+    ap.add_argument("--bh", default=None,
+                    help="batch x heads, e.g. 1x10 (default: b = 16384 / s, h = 2048 / d, the bench grid)")
     args = ap.parse_args()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -88,11 +95,11 @@ def main():
         ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     masks = args.masks.split(",")
     cols = names + ([] if args.no_cudnn else ["cudnn"])
-    print(f"{'config':24s} " + " ".join(f"{k:>9s}" for k in cols), flush=True)
+    print(f"{'config':28s} " + " ".join(f"{k:>9s}" for k in cols), flush=True)
     for d in args.hdims:
         for s in args.seqlens:
             for mask in masks:
-                b, h = max(1, 16384 // s), 2048 // d
+                b, h = (max(1, 16384 // s), 2048 // d) if args.bh is None else map(int, args.bh.split("x"))
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 if mask == "local":
                     w = MASK_KW["local"]["window_size"][0]
@@ -119,7 +126,7 @@ def main():
                 row = [f"{flops / statistics.median(times[n]) / 1e9:.1f}" for n in names]
                 if not args.no_cudnn:
                     row.append(f"{flops / statistics.median(times['cudnn']) / 1e9:.1f}" if cudnn else "-")
-                print(f"d={d:<3d} s={s:<5d} {mask:6s}      " + " ".join(f"{x:>9s}" for x in row), flush=True)
+                print(f"d={d:<3d} s={s:<5d} {mask:6s} b{b}h{h:<3d}" + " ".join(f"{x:>9s}" for x in row), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@
 #include "common/softmax.h"
 #include "params.h"
 #include "sm90/kernel_traits.h"
+#include "sm90/stream_k.h"
 
 namespace flash_ext::sm90 {
 
@@ -282,6 +283,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     mask.key_block_range_rows(row0, n_min, n_max);
     return true;
   };
+  // Without a mask the static walk runs on past the tiles walked whole into this CTA's stream-K
+  // pieces of the tail tiles (sm90/stream_k.h; the launch sets the bounds).
+  const int work_end = kHasWindow ? scheduler.num_tiles : p.sm90_work_end;
+  auto stream_k = [&]() {
+    return StreamKTail(p, scheduler.num_tiles, (p.seqlen_k + kBlockN - 1) / kBlockN, int(gridDim.x));
+  };
 
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
@@ -306,11 +313,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       return t;
     };
     if (dynamic) tile_ring_push(ss, tiles_pushed++, int(blockIdx.x));
-    for (int t = blockIdx.x; t < scheduler.num_tiles; t = next_tile(t)) {
+    for (int t = blockIdx.x; t < work_end; t = next_tile(t)) {
+      int tile = t, n_lo = 0, n_hi = 0;
+      if constexpr (!kHasWindow) {
+        if (t >= p.sm90_dp_tiles && !stream_k().piece(t, blockIdx.x, tile, n_lo, n_hi)) continue;
+      }
       int m_block, head, batch, n_min = 0, n_max = 0;
-      scheduler.tile(t, m_block, head, batch);
+      scheduler.tile(tile, m_block, head, batch);
       SeqInfo seq(p, batch);
-      if (!tile_work(m_block, batch, seq, n_min, n_max) || n_min >= n_max) continue;
+      if (!tile_work(m_block, batch, seq, n_min, n_max)) continue;
+      if constexpr (!kHasWindow) {
+        if (t >= p.sm90_dp_tiles) n_min = n_lo, n_max = n_hi;
+      }
+      if (n_min >= n_max) continue;
       const int head_kv = head / (p.heads_q / p.heads_kv);
       const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
       const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
@@ -422,12 +437,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   PipelineState read_k, read_v;
   int q_loads = 0;
   if (pp_carry && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
-  for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < scheduler.num_tiles;
-       t = next_tile(t)) {
+  for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < work_end; t = next_tile(t)) {
+    int tile = t, n_lo = 0, n_hi = 0;
+    if constexpr (!kHasWindow) {
+      if (t >= p.sm90_dp_tiles && !stream_k().piece(t, blockIdx.x, tile, n_lo, n_hi)) continue;
+    }
     int m_block, head, batch, n_min = 0, n_max = 0;
-    scheduler.tile(t, m_block, head, batch);
+    scheduler.tile(tile, m_block, head, batch);
     SeqInfo seq(p, batch);
     if (!tile_work(m_block, batch, seq, n_min, n_max)) continue;
+    if constexpr (!kHasWindow) {
+      if (t >= p.sm90_dp_tiles) n_min = n_lo, n_max = n_hi;
+    }
     const int row0 = m_block * kBlockM - row_shift;  // may be negative (first tile, aligned to the end)
     const int rows_q = seq.seqlen_q - row0;  // rows [max(0, -row0), rows_q) of the tile exist
     const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
@@ -533,6 +554,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       pipeline_v.consumer_release(read_v);
       ++read_v;
       if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
+    }
+
+    // A stream-K piece parks its partial state; the tile's last piece merges them all and goes on
+    // to the epilogue with the whole tile's state.
+    if constexpr (!kHasWindow) {
+      if (t >= p.sm90_dp_tiles &&
+          !stream_k_park_or_merge<kWGs>(
+              stream_k(), p, t, consumer_wg, mma_tid % 128, softmax, o_rows, scale_log2,
+              [&]() { named_barrier_sync(o_barrier, 128); },
+              [&](bool pred) { return named_barrier_any(pred, o_barrier, 128); })) {
+        continue;
+      }
     }
 
     // Epilogue: normalize, store O (rows < seqlen, cols < head_dim) and lse.

@@ -124,7 +124,31 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // the issue (a late hand-over, once S is done, won and lost by 0.3-3% in four H100 runs:
   // docs/perf-notes.md sessions 6-7). FLASH_EXT_SM90_PINGPONG forces a mode.
   if (p.sm90_pingpong < 0) args.p.sm90_pingpong = Traits::kHeadDim == 256 && !kHasWindow ? 0 : 1;
-  const dim3 grid(unsigned(persistent ? std::min<int64_t>(tiles, sms) : tiles));
+  // Stream-K tail (sm90/stream_k.h): without a mask, on the persistent grid, the last partial
+  // wave's R tiles are cut along the keys over all SMs. Structural bounds: R < G (tiles mod G),
+  // W = R x key blocks >= G (every CTA's range non-empty), W x G < 2^31 (32-bit index math),
+  // fixed-length batches (every tile sees the same keys). Auto (p.sm90_stream_k -1) also wants
+  // pieces of >= 2 key blocks and >= 15% of the SMs idle in that wave: a piece costs a partial
+  // state's round trip through L2 (~1-2 key blocks' time) on top of its share of the tail.
+  const int key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const int64_t tail = persistent ? tiles % sms : 0;
+  const int64_t tail_blocks = tail * key_blocks;
+  bool stream_k = !kHasWindow && persistent && !varlen && p.sm90_stream_k != 0 && p.alloc_workspace != nullptr &&
+                  tail > 0 && tail_blocks >= sms && tail_blocks * sms < (int64_t(1) << 31);
+  if (p.sm90_stream_k < 0) stream_k = stream_k && tail_blocks >= 2 * sms && tail * 100 <= 85 * int64_t(sms);
+  if (stream_k) {
+    // Counters (one per tail tile and consumer warpgroup, zeroed here), then the partial states:
+    // per CTA two pieces x consumer warpgroups x 128 threads x (O's kHeadDim / 2 floats + 4).
+    const size_t count_bytes = (size_t(tail) * Traits::kConsumerWGs * sizeof(int) + 255) / 256 * 256;
+    const size_t partial_bytes = size_t(sms) * 2 * Traits::kConsumerWGs * 128 * (Traits::kHeadDim / 2 + 4) * sizeof(float);
+    char* ws = static_cast<char*>(p.alloc_workspace(p.alloc_ctx, count_bytes + partial_bytes));
+    args.p.sm90_sk_count = reinterpret_cast<int*>(ws);
+    args.p.sm90_sk_partial = reinterpret_cast<float*>(ws + count_bytes);
+    stream_k = cudaMemsetAsync(args.p.sm90_sk_count, 0, count_bytes, stream) == cudaSuccess;
+  }
+  args.p.sm90_dp_tiles = int(stream_k ? tiles - tail : tiles);
+  args.p.sm90_work_end = int(stream_k ? tiles - tail + 2 * sms : tiles);
+  const dim3 grid(unsigned(stream_k ? sms : persistent ? std::min<int64_t>(tiles, sms) : tiles));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
 
