@@ -1,6 +1,7 @@
 """A few forward calls for compute-sanitizer (memcheck, racecheck, synccheck):
 
     compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90] [tiles [HEAD_DIM [TILE [PINGPONG]]]]
+    compute-sanitizer --tool memcheck python tools/sanitize_fwd.py sm90 streamk
 
 TILE: alt or base; PINGPONG: 1, tile or "" (the launch's default); without them, all four.
 
@@ -10,6 +11,10 @@ on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried a
 ping-pong (forced on: d = 256 has it off by default without a mask), causal and local (claimed
 tiles) and not (static stride), each head dim in its default main-loop order (pv_first at
 d = 64, overlap otherwise).
+
+streamk: Hopper calls without a mask with the stream-K tail forced on (FLASH_EXT_SM90_STREAM_K=1):
+one partial wave, whole tiles then the tail, both d = 64 tiles, d = 256 (register epilogue) and one
+tile split over every SM (the pieces' workspace, counters and merge).
 """
 import os
 import sys
@@ -42,6 +47,19 @@ if len(sys.argv) > 2 and sys.argv[2] == "tiles":
                     assert torch.isfinite(out).all(), (tile, pingpong, d, kw)
     torch.cuda.synchronize()
     print("sanitize_fwd tiles done")
+    sys.exit(0)
+if len(sys.argv) > 2 and sys.argv[2] == "streamk":
+    os.environ["FLASH_EXT_SM90_STREAM_K"] = "1"
+    for d, b, sq, sk, h, tile in [(128, 1, 1000, 1000, 3, "alt"), (128, 3, 2048, 2048, 3, "alt"),
+                                  (64, 2, 1000, 1000, 4, "alt"), (64, 2, 1000, 1000, 4, "base"),
+                                  (256, 1, 1000, 999, 6, "alt"), (128, 1, 50, 20000, 1, "alt")]:
+        os.environ["FLASH_EXT_SM90_FWD_TILE"] = tile
+        q = torch.randn(b, sq, h, d, device="cuda", dtype=dt)
+        k = torch.randn(b, sk, h, d, device="cuda", dtype=dt)
+        out, lse = flash_ext.attn_fwd(q, k, k)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), (d, b, sq, sk, h, tile)
+    torch.cuda.synchronize()
+    print("sanitize_fwd streamk done")
     sys.exit(0)
 for d, sq, sk, hq, hkv, causal in [(128, 200, 200, 2, 2, False), (64, 131, 257, 4, 1, True),
                                    (256, 64, 100, 2, 1, False)]:

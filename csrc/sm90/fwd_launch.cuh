@@ -127,15 +127,22 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   // Stream-K tail (sm90/stream_k.h): without a mask, on the persistent grid, the last partial
   // wave's R tiles are cut along the keys over all SMs. Structural bounds: R < G (tiles mod G),
   // W = R x key blocks >= G (every CTA's range non-empty), W x G < 2^31 (32-bit index math),
-  // fixed-length batches (every tile sees the same keys). Auto (p.sm90_stream_k -1) also wants
-  // pieces of >= 2 key blocks and >= 15% of the SMs idle in that wave: a piece costs a partial
-  // state's round trip through L2 (~1-2 key blocks' time) on top of its share of the tail.
+  // fixed-length batches (every tile sees the same keys). Auto (p.sm90_stream_k -1) runs it where
+  // the key blocks an SM would idle through in the last wave, key_blocks x (G - R) / G, exceed
+  // its cost: about 10 key blocks' time (the pieces' extra Q loads, pipeline fills, the park and
+  // the merge; the call is longer by the memset) plus 0.3 per piece merged into a tile (~G / R
+  // pieces each; the merge reads them one after the other). Fitted to one H100 run
+  // (docs/perf-notes.md session 13): even at 7.8 idle blocks, +1-2% at 15, +11% at 19, 2.8x for
+  // one tile of 157 key blocks; 1k-token calls with 3-4 idle blocks lost 17-49%.
   const int key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t tail = persistent ? tiles % sms : 0;
   const int64_t tail_blocks = tail * key_blocks;
   bool stream_k = !kHasWindow && persistent && !varlen && p.sm90_stream_k != 0 && p.alloc_workspace != nullptr &&
                   tail > 0 && tail_blocks >= sms && tail_blocks * sms < (int64_t(1) << 31);
-  if (p.sm90_stream_k < 0) stream_k = stream_k && tail_blocks >= 2 * sms && tail * 100 <= 85 * int64_t(sms);
+  if (p.sm90_stream_k < 0 && stream_k) {
+    const double idle_blocks = double(key_blocks) * double(sms - tail) / sms;
+    stream_k = idle_blocks >= 10.0 + 0.3 * double(sms) / double(tail);
+  }
   if (stream_k) {
     // Counters (one per tail tile and consumer warpgroup, zeroed here), then the partial states:
     // per CTA two pieces x consumer warpgroups x 128 threads x (O's kHeadDim / 2 floats + 4).
