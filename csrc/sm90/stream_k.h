@@ -87,23 +87,26 @@ __device__ __forceinline__ bool stream_k_park_or_merge(const StreamKTail& sk, co
     }
     __stcg(mine + kVecs * 128, make_float4(softmax.row_max[0], softmax.row_max[1], softmax.row_sum[0], softmax.row_sum[1]));
   }
-  // Release: every thread's stores are visible device-wide before the warpgroup's arrival counts.
-  __threadfence();
+  // Thread 0 counts the warpgroup's arrival, with release / acquire semantics at GPU scope: the
+  // barrier orders the warpgroup's stores before its fence and acq_rel atomic (release, cumulative
+  // over what the barrier made it observe), and a merging warpgroup's loads follow its own
+  // thread 0's atomic (acquire) through the vote's barrier below. (__threadfence in every thread,
+  // before and after, compiled to two MEMBAR.SC.GPU per thread and piece.) Predicated PTX, not a
+  // branch: a branch on a per-thread value anywhere in the tile loop moves ptxas's main loop off
+  // the uniform registers (docs/perf-notes.md session 12).
   barrier_sync();
   const int first = sk.owner(tt * sk.n_blocks), last = sk.owner((tt + 1) * sk.n_blocks - 1);
-  // Thread 0 counts the warpgroup's arrival. Predicated PTX, not a branch: a branch on a
-  // per-thread value anywhere in the tile loop moves ptxas's main loop off the uniform registers
-  // (docs/perf-notes.md session 12).
   int arrived;
   asm volatile(
-      "{\n .reg .pred p;\n setp.eq.u32 p, %2, 0;\n mov.b32 %0, -1;\n @p atom.global.add.u32 %0, [%1], 1;\n}\n"
+      "{\n .reg .pred p;\n setp.eq.u32 p, %2, 0;\n mov.b32 %0, -1;\n @p fence.acq_rel.gpu;\n"
+      " @p atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n}\n"
       : "=r"(arrived) : "l"(p.sm90_sk_count + tt * kWGs + wg), "r"(tid) : "memory");
   const bool merges = arrived == last - first;
   // The vote is the same in every thread; redux.sync puts it in a uniform register. Branched on
   // as bar.red's predicate, it made ptxas move the main loop's stage indices and wgmma
   // descriptors out of the uniform registers (an R2UR before each wgmma, +31 instructions).
   if (!__reduce_max_sync(0xffffffffu, int(barrier_any(merges)))) return false;
-  __threadfence();  // acquire: the other pieces' states, read from L2 (ld.global.cg) below
+  // The other pieces' states, read from L2 (ld.global.cg: this SM's L1 may hold stale lines).
   float m[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) m[r] = -INFINITY;
