@@ -66,7 +66,6 @@ struct FwdParams {
   // Hopper kernel: O through shared memory and a TMA store (head dims <= 192, not varlen; else
   // from registers). On by default; FLASH_EXT_SM90_TMA_STORE=0 turns it off.
   bool sm90_tma_store_o;
-  bool sm90_tmp_old_epi;  // TEMPORARY A/B (session 14): the register epilogue before session 14
   // Hopper kernel tile of head dims 64 and 256 (sm90/fwd_launch.cuh): -1 auto, 0 base
   // (d = 64: 128 x 128, d = 256: 128 x 64), 1 alt (d = 64: 192 x 128, d = 256: 128 x 80).
   // FLASH_EXT_SM90_FWD_TILE=base|alt forces one (for A/B runs and tests).

@@ -70,8 +70,6 @@ VARIANTS = {
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
     "nosk": {"FLASH_EXT_SM90_STREAM_K": "0"},
     "sk": {"FLASH_EXT_SM90_STREAM_K": "1"},
-    "old_epi": {"FLASH_EXT_SM90_TMP_OLD_EPI": "1"},
-    "tma_off_old_epi": {"FLASH_EXT_SM90_TMA_STORE": "0", "FLASH_EXT_SM90_TMP_OLD_EPI": "1"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -189,13 +189,6 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uin
                "r"(r1), "r"(r2), "r"(r3)
                : "memory");
 }
-// A 32-bit global store under a predicate, without a branch (a branch per store, with its
-// address computed inside, cost ~16 instructions per store in the register epilogue).
-__device__ __forceinline__ void st_global_b32_if(bool pred, void* ptr, uint32_t v) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.b32 [%1], %2;\n}\n" ::"r"(int(pred)), "l"(ptr),
-               "r"(v)
-               : "memory");
-}
 __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t smem_addr) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr) : "memory");
@@ -588,17 +581,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     softmax.finalize(o_rows, scale_log2, lse);
     const int64_t q_row0 = row0;
     bool o_stored = false;
-    // acc_o's values 4j + 2h and + 1 are columns 8j + 2 (lane % 4) and + 1 of row
-    // 16 warp + lane / 4 + 8h of the warpgroup's 64 (the wgmma accumulator layout).
-    auto pack = [&](int i) {
-      cutlass::Array<Element, 2> pair;
-      pair[0] = Element(acc_o(i));
-      pair[1] = Element(acc_o(i + 1));
-      uint32_t packed;
-      static_assert(sizeof(pair) == sizeof(packed));
-      memcpy(&packed, &pair, sizeof(packed));
-      return packed;
-    };
     if constexpr (Traits::kHasSmemO) {
       if (tma_store_o) {
         using SmemLayoutO = typename Traits::SmemLayoutO;
@@ -618,6 +600,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         constexpr auto layout_o = get_nonswizzle_portion(SmemLayoutO{});
         const uint32_t o_base = cute::cast_smem_ptr_to_uint(ss.o.o.data()) +
                                 uint32_t(wg * cosize_v<SmemLayoutO> * int(sizeof(Element)));
+        auto pack = [&](int i) {  // values i, i+1 are adjacent columns of one row
+          cutlass::Array<Element, 2> pair;
+          pair[0] = Element(acc_o(i));
+          pair[1] = Element(acc_o(i + 1));
+          uint32_t packed;
+          static_assert(sizeof(pair) == sizeof(packed));
+          memcpy(&packed, &pair, sizeof(packed));
+          return packed;
+        };
         // stmatrix: a thread's values 8q .. 8q + 7 are its parts of the four 8 x 8 matrices at
         // columns 16q .. 16q + 15 of its warp's 16 rows (rows 0-7 / 8-15, columns + 0 / + 8), so a
         // warp stores them with one instruction; each lane addresses one matrix row, whose 8
@@ -651,7 +642,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         o_stored = true;
       }
     }
-    if (!o_stored && p.sm90_tmp_old_epi) {
+    if (!o_stored) {
       Element* o_tile = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride + q_row0 * p.o_row_stride;
       CUTE_UNROLL
       for (int i = 0; i < size(acc_o); i += 2) {  // values i, i+1 are adjacent columns of one row
@@ -661,28 +652,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           pair[0] = Element(acc_o(i));
           pair[1] = Element(acc_o(i + 1));
           *reinterpret_cast<cutlass::Array<Element, 2>*>(o_tile + row * p.o_row_stride + col) = pair;
-        }
-      }
-      o_stored = true;
-    }
-    if (!o_stored) {
-      // Register epilogue (d = 256, varlen, TMA_STORE=0): one pointer per row of the thread's two,
-      // its pairs at constant offsets from it, the bounds as store predicates. (Until session 14
-      // every pair had its own 64-bit address and a branch: ~1100 instructions per thread at
-      // d = 256, with the tensor pipe idle while both warpgroups ran them.)
-      const int tid = opaque(mma_tid);
-      const int lane = tid % 32;
-      const int r0 = 64 * (tid / 128) + 16 * ((tid % 128) / 32) + lane / 4, c0 = 2 * (lane % 4);
-      const bool all_cols = p.head_dim == kHeadDim;
-      Element* o_tile = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride + q_row0 * p.o_row_stride;
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int row = r0 + 8 * h;
-        const bool row_ok = row < rows_q && row >= -row0;
-        Element* o_row = o_tile + int64_t(row) * p.o_row_stride + c0;
-        CUTE_UNROLL
-        for (int j = 0; j < kHeadDim / 8; ++j) {
-          st_global_b32_if(row_ok && (all_cols || c0 + 8 * j < p.head_dim), o_row + 8 * j, pack(4 * j + 2 * h));
         }
       }
     }
