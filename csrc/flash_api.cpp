@@ -235,7 +235,6 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   const std::string persistent = env_choice("FLASH_EXT_SM90_PERSISTENT", {"auto", "0", "1"});
   p.sm90_persistent = persistent == "0" ? 0 : persistent == "1" ? 1 : -1;
   p.sm90_tma_store_o = env_choice("FLASH_EXT_SM90_TMA_STORE", {"0", "1"}) != "0";
-  p.sm90_q_prefetch = env_choice("FLASH_EXT_SM90_Q_PREFETCH", {"0", "1"}) == "1";
   const std::string fwd_tile = env_choice("FLASH_EXT_SM90_FWD_TILE", {"auto", "base", "alt"});
   p.sm90_fwd_tile = fwd_tile == "base" ? 0 : fwd_tile == "alt" ? 1 : -1;
   p.sm90_lazy_rescale = env_choice("FLASH_EXT_SM90_LAZY_RESCALE", {"0", "1"}) != "0";

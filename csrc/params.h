@@ -66,9 +66,6 @@ struct FwdParams {
   // Hopper kernel: O through shared memory and a TMA store (head dims <= 192, not varlen; else
   // from registers). On by default; FLASH_EXT_SM90_TMA_STORE=0 turns it off.
   bool sm90_tma_store_o;
-  // Hopper kernel, static walk: prefetch the next tile's Q into L2 when a tile starts
-  // (FLASH_EXT_SM90_Q_PREFETCH=0/1; A/B of session 14).
-  bool sm90_q_prefetch;
   // Hopper kernel tile of head dims 64 and 256 (sm90/fwd_launch.cuh): -1 auto, 0 base
   // (d = 64: 128 x 128, d = 256: 128 x 64), 1 alt (d = 64: 192 x 128, d = 256: 128 x 80).
   // FLASH_EXT_SM90_FWD_TILE=base|alt forces one (for A/B runs and tests).

@@ -70,7 +70,6 @@ VARIANTS = {
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
     "nosk": {"FLASH_EXT_SM90_STREAM_K": "0"},
     "sk": {"FLASH_EXT_SM90_STREAM_K": "1"},
-    "qpf": {"FLASH_EXT_SM90_Q_PREFETCH": "1"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -365,26 +365,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w - row_shift / 64), tQsQ);
       }
       ++q_loads;
-      // Q prefetch (p.sm90_q_prefetch; static walk of whole tiles, fixed-length batches): the
-      // next tile's Q goes to L2 now, so that its TMA load, issued only once a warpgroup is done
-      // with this tile's Q (~2 us before it is needed), finds it there: equal tiles reach their
-      // ends together on every SM, and their Q loads then come from HBM at once (8 MB at d = 256).
-      if (p.sm90_q_prefetch && !dynamic && !varlen) {
-        const int t_next = t + int(gridDim.x);
-        if (t_next < p.sm90_dp_tiles) {
-          int m_next, head_next, batch_next;
-          scheduler.tile(t_next, m_next, head_next, batch_next);
-          Tensor gQn = local_tile(args.tma_q.get_tma_tensor(args.shape_q)(_, _, head_next, batch_next),
-                                  Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));
-          auto [tQgQn, tQsQn] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{},
-                                              group_modes<0, 2>(make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQSlab{})),
-                                              group_modes<0, 2>(gQn));
-          CUTE_UNROLL
-          for (int w = 0; w < Traits::kConsumerWGs; ++w) {
-            cute::prefetch(args.tma_q, tQgQn(_, m_next * Traits::kConsumerWGs + w - row_shift / 64));
-          }
-        }
-      }
       // K one block ahead of V: the consumers use K_n together with V_{n+1} (S_n beside
       // P_{n+1} V_{n+1}), so K_n goes out before V_{n+1}, and K's next load waits only for the
       // S GEMM that frees its stage, not also for the P V GEMM behind it (loading K_n and V_n
