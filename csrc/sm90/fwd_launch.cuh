@@ -179,9 +179,13 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
   // (p.sm90_fwd_tile 0 / 1; -1 auto). The larger tiles (d = 64: 192 x 128, three consumer
   // warpgroups; d = 256: 128 x 80) are 3-14% faster from s = 2k on (docs/perf-notes.md), but a
   // 192-row tile pads a 1k causal row block by 2/3 of its longest tile: auto takes them for
-  // seqlen_q >= 2k, and at 1k without a mask.
-  const bool alt = p.sm90_fwd_tile > 0 ||
-                   (p.sm90_fwd_tile < 0 && (p.seqlen_q >= 2048 || (!p.has_window && p.seqlen_q >= 1024)));
+  // seqlen_q >= 2k, and at 1k without a mask. d = 256 without a mask keeps 128 x 64 up to 2k
+  // (session 14: even at 1k-1.5k, +1-3% at 2k in three A/B runs, where 80-key blocks compute
+  // 2080 columns for 2048).
+  const bool alt_auto = kHeadDim == 256 && !p.has_window
+                            ? p.seqlen_q > 2048
+                            : (p.seqlen_q >= 2048 || (!p.has_window && p.seqlen_q >= 1024));
+  const bool alt = p.sm90_fwd_tile > 0 || (p.sm90_fwd_tile < 0 && alt_auto);
   if constexpr (kHeadDim <= 64) {
     if (alt) {
       sm90::launch_fwd<FwdTraits<kHeadDim, 192, 128, 2, Element>>(p, stream);
