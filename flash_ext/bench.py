@@ -21,9 +21,17 @@ Directions (--directions, default all three):
 Metric: FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * headdim (two matmuls), halved for
 causal, times 1 (fwd), 2.5 (bwd: five matmuls) or 3.5 (fwdbwd); TFLOP/s = FLOPs / median time.
 Times: CUDA events around each call, after warmup, median of --reps calls; that is one round, and
-a config runs --rounds rounds (3; 1 with --quick), each timing every backend in turn (the order
-rotated from round to round), and keeps each backend's median round, so that clock and power
-drift during a config hit all backends alike instead of whichever ran last. The L2 cache is not
+a config runs --rounds rounds (3; 1 with --quick), each timing every backend in turn, and keeps
+each backend's median round, so that clock and power drift during a config hit all backends alike
+instead of whichever ran last. The order of the turns (--order) is by default serially balanced:
+over 8 rounds of the 4 backends each one runs right after every other backend twice, and twice
+right after itself (its turn ends one round and opens the next). A burst's clock depends on the
+power drawn just before it, so a fixed cyclic order (--order rotated, what the grids of sessions
+1-14 used) timed each backend after the same neighbour in most rounds: SDPA cuDNN always after
+SDPA flash, a backend that draws less power, and flash_ext after cuDNN. Use a multiple of 8
+rounds for the full balance. --gap-s S idles S seconds before each backend's turn. Each timed
+turn is kept in the JSON (`samples`: round, backend, the backend timed right before it, median
+ms), and tools/carryover.py tabulates a backend's times by that neighbour. The L2 cache is not
 flushed between calls: every config moves at least 3 x 64 MiB of q, k, v, several times the L2,
 so a warm cache changes little. --warmup-s S adds S seconds of back-to-back calls before each
 backend's timed calls: by default a round times a short burst, which an idle GPU runs at its
@@ -50,6 +58,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import functools
+import itertools
 import json
 import math
 import os
@@ -162,6 +172,8 @@ class Row:
     ms: dict = field(default_factory=dict)  # backend name -> median ms or None
     extra_mib: Optional[float] = None  # flash_ext workspace beyond inputs and outputs
     errors: dict = field(default_factory=dict)  # backend name -> error message
+    # every timed turn: {"round", "backend", "after" (the backend timed just before, or None), "ms"}
+    samples: list = field(default_factory=list)
 
     @property
     def ratio_flash(self) -> Optional[float]:
@@ -260,7 +272,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "capped steady state of a training loop)")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds per config, backends timed in turn in each (median round; "
-                        "default 3, 1 with --quick)")
+                        "default 3, 1 with --quick; a multiple of 8 balances the order fully)")
+    p.add_argument("--order", choices=tuple(ORDERS), default="balanced",
+                   help="order of the backends' turns in each round: balanced (default: each "
+                        "backend right after every backend, itself included, equally often "
+                        "over 8 rounds) or rotated (the cyclic order of the grids of sessions 1-14)")
+    p.add_argument("--gap-s", type=float, default=0.0,
+                   help="seconds idle before each backend's turn (default 0)")
     p.add_argument("--out", default="bench_out", help="directory for the JSON and PNG")
     args = p.parse_args(argv)
     if args.dtypes is None:
@@ -281,6 +299,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--rounds must be >= 1")
     if args.warmup_s < 0:
         p.error("--warmup-s must be >= 0")
+    if args.gap_s < 0:
+        p.error("--gap-s must be >= 0")
     args.causal_modes = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     return args
 
@@ -416,15 +436,99 @@ def extra_memory_mib(fn: Callable[[], object]) -> float:
 
 def rotated(names: Sequence[str], round_index: int) -> list[str]:
     """``names`` starting from entry ``round_index`` (mod its length): the order in which round
-    ``round_index`` times its backends, so that no backend is always timed first or last."""
+    ``round_index`` times its backends, so that no backend is always timed first or last. Each
+    name still follows the same neighbour in every round but one: see ``balanced``."""
     shift = round_index % len(names)
     return list(names[shift:]) + list(names[:shift])
 
 
-def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cuda", warmup_s: float = 0.0) -> Row:
+def _williams_rows(n: int) -> list[tuple[int, ...]]:
+    """A Williams design: n rows (2n for odd n) in which each ordered pair of different items
+    is adjacent equally often within the rows (not across the boundaries between rows)."""
+    # 0, 1, n-1, 2, n-2, ...: its successive differences 1, -2, 3, -4, ... (mod n) are all
+    # different, so the n shifts of the row give each ordered pair once as neighbours.
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [tuple((b + i) % n for b in base) for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]  # odd n: the mirrored square completes the balance
+    return rows
+
+
+@functools.lru_cache(maxsize=None)
+def _serially_balanced_rows(n: int, max_nodes: int = 300_000) -> tuple[tuple[int, ...], ...]:
+    """R permutations of range(n) (R = n, else 2n; from a depth-first search that tries at most
+    max_nodes rows) such that each row starts with the item the previous row ended with
+    (cyclically), and within the rows every ordered pair of different items is adjacent R / n
+    times. Timed in sequence, every item then runs right after every other item, and right after
+    itself (at the row boundaries), equally often: R / n times each. Falls back to a Williams
+    design (balanced within rows only) where the search gives up (n >= 8; n = 7 takes ~0.5 s)."""
+    if n < 2:
+        return (tuple(range(n)),)
+    rows_from = {a: [p for p in itertools.permutations(range(n)) if p[0] == a] for a in range(n)}
+    for count in (n, 2 * n):
+        per_pair = count // n
+        uses: dict = {}
+        rows: list = []
+        nodes = [0]
+
+        def extend() -> bool:
+            if len(rows) == count:
+                return rows[-1][-1] == rows[0][0]
+            for row in rows_from[rows[-1][-1] if rows else 0]:
+                nodes[0] += 1
+                if nodes[0] > max_nodes:
+                    raise TimeoutError
+                pairs = list(zip(row, row[1:]))
+                for pair in pairs:
+                    uses[pair] = uses.get(pair, 0) + 1
+                if all(uses[pair] <= per_pair for pair in pairs):
+                    rows.append(row)
+                    if extend():
+                        return True
+                    rows.pop()
+                for pair in pairs:
+                    uses[pair] -= 1
+            return False
+
+        try:
+            if extend():
+                return tuple(rows)
+        except TimeoutError:
+            break
+    return tuple(_williams_rows(n))
+
+
+def balanced(names: Sequence[str], round_index: int) -> list[str]:
+    """The order of round ``round_index``: row ``round_index`` of ``_serially_balanced_rows``.
+    Over a period of n or 2n rounds (8 for the bench's 4 backends; 6 for 3 names) every name
+    runs right after every other name, and right after itself (its turn ending one round and
+    opening the next), equally often: what a backend inherits from the one timed before it
+    (clock, power) is spread evenly over all backends instead of favouring the one timed after
+    the coolest. ``balanced_period`` gives the period."""
+    rows = _serially_balanced_rows(len(names))
+    return [names[j] for j in rows[round_index % len(rows)]]
+
+
+def balanced_period(count: int) -> int:
+    """Rounds after which the balanced order of ``count`` names repeats (and is balanced)."""
+    return len(_serially_balanced_rows(count))
+
+
+ORDERS = {"balanced": balanced, "rotated": rotated}
+
+
+def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cuda", warmup_s: float = 0.0,
+               order: str = "balanced", gap_s: float = 0.0) -> Row:
     """Times every backend on one config: ``rounds`` rounds, each backend in turn in each round
-    (in an order rotated from round to round; median of ``reps`` calls after ``warmup``), and
-    keeps each backend's median round."""
+    (in the order ``ORDERS[order]`` gives for the round; median of ``reps`` calls after
+    ``warmup``, after ``gap_s`` seconds idle), and keeps each backend's median round. Every turn
+    is recorded in ``row.samples``."""
     torch.manual_seed(0)
     dtype = DTYPES[cfg.dtype]
     shape = (cfg.batch, cfg.seqlen, cfg.heads, cfg.headdim)
@@ -433,14 +537,22 @@ def run_config(cfg: Config, reps: int, warmup: int, rounds: int = 1, device="cud
               cfg.direction)
     fns: dict[str, Callable[[], object]] = {}
     times: dict[str, list[float]] = {name: [] for name in BACKEND_NAMES}
+    order_of_round = ORDERS[order]
+    previous = None  # the backend timed right before (None: the first turn of the config)
     for r in range(rounds):
-        for name in rotated(BACKEND_NAMES, r):
+        for name in order_of_round(BACKEND_NAMES, r):
             if name in row.errors:
                 continue
             try:
                 if name not in fns:
                     fns[name] = make_backend_fn(name, cfg.direction, q, k, v, cfg.causal)
-                times[name].append(time_ms(fns[name], reps, warmup, warmup_s))
+                if gap_s > 0:
+                    torch.cuda.synchronize()
+                    time.sleep(gap_s)
+                ms = time_ms(fns[name], reps, warmup, warmup_s)
+                times[name].append(ms)
+                row.samples.append({"round": r, "backend": name, "after": previous, "ms": ms})
+                previous = name
             except Exception as e:  # a peer (or flash_ext) rejecting a shape is data, not a crash
                 row.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 fns.pop(name, None)
@@ -526,10 +638,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{len(configs)} configs on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"median of {args.reps} calls after {args.warmup} warmup"
           f"{f' and {args.warmup_s:g} s of back-to-back calls' if args.warmup_s else ''}, median of {args.rounds} "
-          f"round(s) of every backend in turn")
+          f"round(s) of every backend in turn ({args.order} order"
+          f"{f', {args.gap_s:g} s idle before each turn' if args.gap_s else ''})")
     rows = []
     for cfg in configs:
-        row = run_config(cfg, args.reps, args.warmup, args.rounds, warmup_s=args.warmup_s)
+        row = run_config(cfg, args.reps, args.warmup, args.rounds, warmup_s=args.warmup_s,
+                         order=args.order, gap_s=args.gap_s)
         rows.append(row)
         print(f"  {cfg.name}: " + ", ".join(f"{n} {_fmt(row.tflops.get(n))}" for n in BACKEND_NAMES),
               flush=True)

@@ -77,6 +77,118 @@ def test_rotated_order():
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
+def test_balanced_order_is_serially_balanced(n):
+    names = tuple("abcdefg"[:n])
+    period = bench.balanced_period(n)
+    assert period in (n, 2 * n)
+    rows = [bench.balanced(names, r) for r in range(period)]
+    assert all(sorted(row) == list(names) for row in rows)
+    assert bench.balanced(names, period) == rows[0]
+    # timed in sequence (cyclically), every name follows every name, itself included, equally
+    # often: the boundaries between rounds are a name after itself
+    seq = [x for row in rows for x in row]
+    pairs = {}
+    for a, b in zip(seq, seq[1:] + seq[:1]):
+        pairs[(a, b)] = pairs.get((a, b), 0) + 1
+    assert len(pairs) == n * n and set(pairs.values()) == {period // n}, pairs
+    assert all(prev[-1] == row[0] for prev, row in zip(rows[-1:] + rows[:-1], rows))
+
+
+def test_williams_fallback():
+    for n in (4, 5, 8):
+        rows = bench._williams_rows(n)
+        pairs = {}
+        for row in rows:
+            assert sorted(row) == list(range(n))
+            for a, b in zip(row, row[1:]):
+                pairs[(a, b)] = pairs.get((a, b), 0) + 1
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+    assert len(bench._serially_balanced_rows(8)) == 8  # the search gives up: the Williams rows
+
+
+def test_balanced_order_of_the_backends():
+    period = bench.balanced_period(len(bench.BACKEND_NAMES))
+    assert period == 8
+    seq = [x for r in range(period) for x in bench.balanced(bench.BACKEND_NAMES, r)]
+    after = {name: sorted(seq[i - 1] for i in range(len(seq)) if seq[i] == name)
+             for name in bench.BACKEND_NAMES}
+    for name, prev in after.items():
+        assert prev == sorted(bench.BACKEND_NAMES * 2), (name, prev)
+    # the rotated order this replaced: sdpa_cudnn always right after sdpa_flash
+    rot = [bench.rotated(bench.BACKEND_NAMES, r) for r in range(4)]
+    assert {row[i - 1] for row in rot for i in range(1, 4) if row[i] == "sdpa_cudnn"} == {"sdpa_flash"}
+    assert bench.balanced(("x",), 3) == ["x"]
+
+
+def test_parse_order_and_gap():
+    a = bench.parse_args([])
+    assert a.order == "balanced" and a.gap_s == 0.0
+    a = bench.parse_args(["--order", "rotated", "--gap-s", "0.25"])
+    assert a.order == "rotated" and a.gap_s == 0.25 and bench.ORDERS[a.order] is bench.rotated
+    for bad in (["--order", "random"], ["--gap-s", "-1"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_carryover_table():
+    import carryover  # tools/ is on sys.path (conftest.py)
+    samples = [  # b is 10% slower right after a, in both rounds
+        {"round": 0, "backend": "a", "after": None, "ms": 1.0},
+        {"round": 0, "backend": "b", "after": "a", "ms": 2.2},
+        {"round": 1, "backend": "b", "after": "a", "ms": 2.2},
+        {"round": 1, "backend": "a", "after": "b", "ms": 1.0},
+        {"round": 2, "backend": "a", "after": "a", "ms": 1.0},
+        {"round": 2, "backend": "b", "after": "c", "ms": 2.0},
+        {"round": 3, "backend": "b", "after": "c", "ms": 2.0},
+        {"round": 3, "backend": "b", "after": "c", "ms": 2.0},
+    ]
+    table = carryover.carryover_table([{"samples": samples}, {"samples": []}, {}])
+    assert table[("b", "a")] == pytest.approx([1.1, 1.1])
+    assert table[("b", "c")] == pytest.approx([1.0, 1.0, 1.0])
+    assert table[("a", "none")] == [1.0]
+    text = carryover.format_carryover(table)
+    assert "1.100 (2)" in text and text.splitlines()[0].split()[-1] == "none"
+    assert "-" in carryover.format_carryover(table, min_n=3).splitlines()[2]
+
+
+def test_run_config_records_every_turn(monkeypatch):
+    # run_config's bookkeeping on the CPU: stand-in backends whose time depends on the one timed
+    # right before (a carryover of +10% after flash_ext), so the samples' "after" must be right.
+    last = []
+
+    def fake_time_ms(fn, reps, warmup, warmup_s=0.0):
+        name = fn()
+        ms = {"flash_ext": 1.0, "flash_ext_sm80": 2.0, "sdpa_flash": 2.0, "sdpa_cudnn": 1.0}[name]
+        ms *= 1.1 if last and last[-1] == "flash_ext" else 1.0
+        last.append(name)
+        return ms
+
+    monkeypatch.setattr(bench, "make_backend_fn", lambda name, *a: (lambda: name))
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    monkeypatch.setattr(bench, "extra_memory_mib", lambda fn: 0.0)
+    cfg = bench.Config("bf16", 64, 1024, False)
+    monkeypatch.setattr(bench.Config, "batch", property(lambda self: 1))
+    monkeypatch.setattr(bench.Config, "heads", property(lambda self: 1))
+    row = bench.run_config(cfg, reps=1, warmup=0, rounds=8, device="cpu")
+    assert len(row.samples) == 32 and [s["backend"] for s in row.samples] == last
+    assert row.samples[0]["after"] is None
+    assert all(s["after"] == p["backend"] for p, s in zip(row.samples, row.samples[1:]))
+    assert all(s["ms"] == pytest.approx(1.1 * {"flash_ext": 1, "sdpa_cudnn": 1}.get(s["backend"], 2))
+               for s in row.samples if s["after"] == "flash_ext")
+    # balanced: over 8 rounds cuDNN follows flash_ext in 2 of its 8 turns, so its median is 1.0
+    assert row.ms["sdpa_cudnn"] == pytest.approx(1.0)
+    rot = bench.run_config(cfg, reps=1, warmup=0, rounds=8, device="cpu", order="rotated")
+    # rotated: flash_ext_sm80 always right after flash_ext but in the rounds it starts
+    assert rot.ms["flash_ext_sm80"] == pytest.approx(2.2)
+
+
+def test_row_json_keeps_samples():
+    r = bench.Row("c", "bf16", 64, 1024, 16, 32, False, "fwd")
+    r.samples.append({"round": 0, "backend": "flash_ext", "after": None, "ms": 0.5})
+    assert json.loads(json.dumps(r.to_json()))["samples"][0]["ms"] == 0.5
+
+
 def test_parse_directions():
     assert bench.parse_args(["--quick"]).directions == ["fwd", "bwd", "fwdbwd"]
     assert bench.parse_args(["--directions", "bwd"]).directions == ["bwd"]

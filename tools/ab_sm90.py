@@ -27,9 +27,13 @@ Variants (environment variables read by flash_api.cpp at each call):
   nosk      FLASH_EXT_SM90_STREAM_K=0 (no mask: the last partial wave's tiles walked whole)
   sk        FLASH_EXT_SM90_STREAM_K=1 (the stream-K tail wherever it can run, not only where auto
             expects a gain)
-The variants of one row and cuDNN are timed in turns, --rounds times, in an order rotated from
-round to round, and each reports its median over the rounds, so that clock and thermal drift
-hit all of them alike (cuDNN moved by up to 25% between runs: compare within one run).
+The variants of one row and cuDNN are timed in turns, --rounds times, in the balanced order of
+flash_ext.bench (each one right after every column, itself included, equally often over
+flash_ext.bench.balanced_period(columns) rounds: 6 for three columns, 8 for four), and each
+reports its median over the rounds, so that
+clock, power and thermal drift hit all of them alike (cuDNN moved by up to 25% between runs:
+compare within one run; up to session 14 the order was rotated, cuDNN always after the same
+variant).
 TFLOP/s: 4 * b * h * s^2 * d, halved for causal; local (window (512, 0)): 4 * b * h * d * the
 number of visible (query, key) pairs."""
 import argparse
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext
-from flash_ext.bench import _env, rotated
+from flash_ext.bench import _env, balanced
 from flash_ext.bench import time_ms as _bench_time_ms
 
 
@@ -107,14 +111,14 @@ def main():
                 else:
                     flops = 4 * b * h * s * s * d / (1 if mask == "full" else 2)
                 kw = MASK_KW[mask]
-                # cuDNN is timed in the same rounds as the variants, in the rotated order (SDPA
+                # cuDNN is timed in the same rounds as the variants, in the balanced order (SDPA
                 # has no sliding window without a dense mask: "-" for local).
                 cudnn = not args.no_cudnn and mask != "local"
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 times = {n: [] for n in names + ["cudnn"]}
                 order = names + (["cudnn"] if cudnn else [])
                 for r in range(args.rounds):
-                    for n in rotated(order, r):
+                    for n in balanced(order, r):
                         if n == "cudnn":
                             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                                 times[n].append(time_ms(
