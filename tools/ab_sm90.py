@@ -2,7 +2,7 @@
 process (developer tool for docs/perf-notes.md).
 
 Usage: PYTHONPATH=. python tools/ab_sm90.py [--variants auto,old,tma_off,per_tile] [--hdims 64,128]
-       [--seqlens 1024,4096] [--masks full,causal,local] [--rounds 3] [--no-cudnn] [--bh 1x10]
+       [--seqlens 1024,4096] [--masks full,causal,local] [--rounds N] [--no-cudnn] [--bh 1x10]
 
 Variants (environment variables read by flash_api.cpp at each call):
   auto      the defaults: TMA-store epilogue (d <= 192), persistent grid (tiles claimed from a
@@ -29,8 +29,8 @@ Variants (environment variables read by flash_api.cpp at each call):
             expects a gain)
 The variants of one row and cuDNN are timed in turns, --rounds times, in the balanced order of
 flash_ext.bench (each one right after every column, itself included, equally often over
-flash_ext.bench.balanced_period(columns) rounds: 6 for three columns, 8 for four), and each
-reports its median over the rounds, so that
+flash_ext.bench.balanced_period(columns) rounds: 6 for three columns, 8 for four, the default
+--rounds), and each reports its median over the rounds, so that
 clock, power and thermal drift hit all of them alike (cuDNN moved by up to 25% between runs:
 compare within one run; up to session 14 the order was rotated, cuDNN always after the same
 variant).
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_ext
-from flash_ext.bench import _env, balanced
+from flash_ext.bench import _env, balanced, balanced_period
 from flash_ext.bench import time_ms as _bench_time_ms
 
 
@@ -88,7 +88,8 @@ def main():
     ap.add_argument("--hdims", type=ints, default=[64, 128, 256])
     ap.add_argument("--seqlens", type=ints, default=[1024, 4096, 16384])
     ap.add_argument("--masks", default="full,causal")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds per row (default: the balanced order's period for the columns)")
     ap.add_argument("--no-cudnn", action="store_true")
     ap.add_argument("--bh", default=None,
                     help="batch x heads, e.g. 1x10 (default: b = 16384 / s, h = 2048 / d, the bench grid)")
@@ -97,6 +98,8 @@ def main():
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     masks = args.masks.split(",")
     cols = names + ([] if args.no_cudnn else ["cudnn"])
     print(f"{'config':28s} " + " ".join(f"{k:>9s}" for k in cols), flush=True)
@@ -117,7 +120,8 @@ def main():
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 times = {n: [] for n in names + ["cudnn"]}
                 order = names + (["cudnn"] if cudnn else [])
-                for r in range(args.rounds):
+                rounds = args.rounds or balanced_period(len(order))
+                for r in range(rounds):
                     for n in balanced(order, r):
                         if n == "cudnn":
                             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
