@@ -74,7 +74,7 @@ def make_extension() -> CUDAExtension:
     defines = bc.macro_defines(cfg)
 
     cxx_std = cfg.cxx_std or bc.cxx_std_for_torch(torch.__version__)
-    cxx_flags = ["-O3", f"-std={cxx_std}"] + defines
+    cxx_flags = ["-O3", f"-std={cxx_std}"] + defines + bc.common_defines(cfg)
     # torch >= 2.14's ATen/cuda headers include cusparse.h, which ships in the nvidia-* wheels
     # (site-packages/nvidia/cu13/include) but not in every CUDA toolkit. -idirafter: the
     # toolkit's own headers still win.
@@ -98,6 +98,7 @@ def make_extension() -> CUDAExtension:
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
         "-lineinfo",
     ] + bc.gencode_flags(cfg.archs)  # explicit -gencode: torch then ignores TORCH_CUDA_ARCH_LIST
+    nvcc_flags += bc.common_defines(cfg)  # the same on both sides (FwdParams' layout)
     if cfg.ptxas_verbose:
         nvcc_flags += ["-Xptxas", "-v"]
     if cfg.nvcc_threads:

@@ -19,6 +19,7 @@
 #include "dispatch/fwd_dispatch.h"
 #include "api_common.h"
 #include "params.h"
+#include "sm90/fwd_trace.h"
 
 #ifndef FLASH_EXT_BUILD_INFO
 #define FLASH_EXT_BUILD_INFO "unknown"
@@ -176,6 +177,24 @@ void run_fwd(FwdParams& p, FwdPath path, cudaStream_t stream) {
   }
 }
 
+#ifdef FLASH_EXT_SM90_TRACE
+// A trace build's timeline buffer (sm90/fwd_trace.h, tools/trace_fwd.py): while set, every
+// Hopper forward writes its timeline into it. The caller keeps the tensor alive until it unsets
+// it (None).
+int64_t* g_sm90_trace = nullptr;
+void sm90_trace_buffer(const std::optional<at::Tensor>& buf) {
+  if (!buf.has_value()) {
+    g_sm90_trace = nullptr;
+    return;
+  }
+  FLASH_EXT_CHECK(buf->is_cuda() && buf->scalar_type() == at::kLong && buf->is_contiguous() &&
+                      buf->numel() >= sm90::trace::kTraceWords,
+                  "flash_ext: the trace buffer must be a contiguous int64 CUDA tensor of at least ",
+                  sm90::trace::kTraceWords, " elements");
+  g_sm90_trace = buf->data_ptr<int64_t>();
+}
+#endif
+
 // Checks the inputs (again: the Python layer gives friendlier messages first) and fills the
 // parameters. Returns the lse tensor to write.
 at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -213,6 +232,9 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   check_rows_aligned(out, "out");
 
   p = FwdParams{};
+#ifdef FLASH_EXT_SM90_TRACE
+  p.sm90_trace = g_sm90_trace;
+#endif
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -422,6 +444,9 @@ TORCH_LIBRARY(flash_ext, m) {
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, "
       "int window_right, float softcap, float dropout_p=0.0, Tensor? rng_state=None) -> Tensor");
   m.def("build_info() -> str", &flash_ext::build_info);
+#ifdef FLASH_EXT_SM90_TRACE
+  m.def("sm90_trace_buffer(Tensor? buf) -> ()", &flash_ext::sm90_trace_buffer);
+#endif
   // Draws from torch's CUDA generator: tagged so that compilers neither merge nor drop calls.
   m.def("dropout_rng_state(Tensor q) -> Tensor", {at::Tag::nondeterministic_seeded});
   m.def(

@@ -116,6 +116,11 @@ struct FwdParams {
   // PyTorch's caching allocator). nullptr: no workspace, so no stream-K.
   void* (*alloc_workspace)(void* ctx, size_t bytes);
   void* alloc_ctx;
+#ifdef FLASH_EXT_SM90_TRACE
+  // The timeline buffer of a trace build (sm90/fwd_trace.h; nullptr: no trace). Only in builds
+  // with FLASH_EXT_SM90_TRACE=1, which setup.py defines for every file alike.
+  int64_t* sm90_trace;
+#endif
 };
 
 }  // namespace flash_ext

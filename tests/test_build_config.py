@@ -107,3 +107,14 @@ def test_narrowed_build_info_matches_build_info():
     assert narrowed_build_info(bc.build_info(bc.BuildConfig.from_env({"FLASH_EXT_DTYPES": "bf16"})))
     # the order of the knob's values does not matter
     assert not narrowed_build_info(bc.build_info(bc.BuildConfig.from_env({"FLASH_EXT_DTYPES": "bf16,fp16"})))
+
+
+def test_sm90_trace_knob():
+    plain = bc.BuildConfig.from_env({})
+    assert plain.sm90_trace is False and bc.common_defines(plain) == []
+    assert "trace" not in bc.build_info(plain)
+    cfg = bc.BuildConfig.from_env({"FLASH_EXT_SM90_TRACE": "1", "FLASH_EXT_HEADDIMS": "256"})
+    assert cfg.sm90_trace and bc.common_defines(cfg) == ["-DFLASH_EXT_SM90_TRACE"]
+    assert bc.build_info(cfg).endswith(" sm90_trace=1")
+    with pytest.raises(bc.BuildConfigError):
+        bc.BuildConfig.from_env({"FLASH_EXT_SM90_TRACE": "sometimes"})

@@ -16,6 +16,9 @@ Knobs (environment variables):
   FLASH_EXT_NVCC_THREADS   N: pass --threads N to nvcc (compiles the gencode targets of one file
                            in parallel).
   FLASH_EXT_CXX_STD        override the host C++ standard of flash_api.cpp (e.g. c++17, c++20).
+  FLASH_EXT_SM90_TRACE     1: a diagnostic build whose Hopper forward writes a timeline
+                           (csrc/sm90/fwd_trace.h, tools/trace_fwd.py); -DFLASH_EXT_SM90_TRACE goes
+                           to every file (it changes FwdParams). Not for production use.
   CUTLASS_PATH             a CUTLASS checkout (its include/ is used).
   MAX_JOBS                 read by torch's ninja build, not here: number of parallel compiles.
 """
@@ -47,6 +50,7 @@ __all__ = [
     "instantiation_name",
     "instantiation_files",
     "macro_defines",
+    "common_defines",
     "build_info",
     "cxx_std_for_torch",
     "find_cutlass",
@@ -287,6 +291,7 @@ class BuildConfig:
     ptxas_verbose: bool = False
     nvcc_threads: Optional[int] = None
     cxx_std: Optional[str] = None  # None: decided from the torch version by setup.py
+    sm90_trace: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "BuildConfig":
@@ -301,6 +306,7 @@ class BuildConfig:
             ptxas_verbose=parse_bool("FLASH_EXT_PTXAS_VERBOSE", env.get("FLASH_EXT_PTXAS_VERBOSE")),
             nvcc_threads=parse_positive_int("FLASH_EXT_NVCC_THREADS", env.get("FLASH_EXT_NVCC_THREADS")),
             cxx_std=std,
+            sm90_trace=parse_bool("FLASH_EXT_SM90_TRACE", env.get("FLASH_EXT_SM90_TRACE")),
         )
 
     def has_arch(self, name: str) -> bool:
@@ -329,7 +335,7 @@ def build_info(cfg: BuildConfig) -> str:
     ``"archs=80+PTX;90a hdims=32,64,96,128,192,256 dtypes=fp16,bf16"``."""
     return (f"archs={';'.join(str(a) for a in cfg.archs)} "
             f"hdims={','.join(str(d) for d in cfg.headdims)} "
-            f"dtypes={','.join(cfg.dtypes)}")
+            f"dtypes={','.join(cfg.dtypes)}" + (" sm90_trace=1" if cfg.sm90_trace else ""))
 
 
 def macro_defines(cfg: BuildConfig) -> list[str]:
@@ -343,6 +349,12 @@ def macro_defines(cfg: BuildConfig) -> list[str]:
         defs.append("-DFLASH_EXT_SM90A")
     defs.append(f'-DFLASH_EXT_BUILD_INFO="{build_info(cfg)}"')
     return defs
+
+
+def common_defines(cfg: BuildConfig) -> list[str]:
+    """Preprocessor flags for every file, host and kernel alike: those that change a struct the
+    two share (``-DFLASH_EXT_SM90_TRACE`` adds FwdParams::sm90_trace)."""
+    return ["-DFLASH_EXT_SM90_TRACE"] if cfg.sm90_trace else []
 
 
 def cxx_std_for_torch(torch_version: str) -> str:

@@ -25,6 +25,7 @@
 #include "common/softmax.h"
 #include "params.h"
 #include "sm90/kernel_traits.h"
+#include "sm90/fwd_trace.h"
 #include "sm90/stream_k.h"
 
 namespace flash_ext::sm90 {
@@ -272,6 +273,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
   __syncthreads();
+  FLASH_EXT_TRACE(if (threadIdx.x == 0) trace::cta_stamp(p.sm90_trace, 0);)
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
@@ -321,6 +323,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       return t;
     };
     if (dynamic) tile_ring_push(ss, tiles_pushed++, int(blockIdx.x));
+    FLASH_EXT_TRACE(int trace_k = 0;)
     for (int t = blockIdx.x; t < work_end; t = next_tile(t)) {
       int tile = t, n_lo = 0, n_hi = 0;
       if constexpr (!kHasWindow) {
@@ -334,6 +337,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (t >= p.sm90_dp_tiles) n_min = n_lo, n_max = n_hi;
       }
       if (n_min >= n_max) continue;
+      FLASH_EXT_TRACE(const int tk = trace_k++; trace::mark(p.sm90_trace, 0, tk, trace::kProdTop);
+                      trace::value(p.sm90_trace, 0, tk, trace::kBlocks, n_max - n_min);
+                      trace::value(p.sm90_trace, 0, tk, trace::kTile, t);)
       const int head_kv = head / (p.heads_q / p.heads_kv);
       const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
       const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
@@ -356,6 +362,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       int n_block = n_max - 1;
       pipeline_k.producer_acquire(write);
       copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+      FLASH_EXT_TRACE(trace::mark(p.sm90_trace, 0, tk, trace::kProdFirstK);)
       CUTE_UNROLL
       for (int w = 0; w < Traits::kConsumerWGs; ++w) {
         if (q_loads > 0) Barrier::wait(&ss.barrier_q_empty[w], (q_loads - 1) & 1);
@@ -365,6 +372,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         copy(args.tma_q.with(ss.barrier_q[w]), tQgQ(_, m_block * Traits::kConsumerWGs + w - row_shift / 64), tQsQ);
       }
       ++q_loads;
+      FLASH_EXT_TRACE(trace::mark(p.sm90_trace, 0, tk, trace::kProdQ);)
       // K one block ahead of V: the consumers use K_n together with V_{n+1} (S_n beside
       // P_{n+1} V_{n+1}), so K_n goes out before V_{n+1}, and K's next load waits only for the
       // S GEMM that frees its stage, not also for the P V GEMM behind it (loading K_n and V_n
@@ -382,6 +390,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       }
       pipeline_v.producer_acquire(write_v);
       copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_min), tVsV(_, write_v.index()));
+      FLASH_EXT_TRACE(trace::mark(p.sm90_trace, 0, tk, trace::kProdLastV);)
     }
     return;
   }
@@ -445,6 +454,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   PipelineState read_k, read_v;
   int q_loads = 0;
   if (pp_carry && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
+  FLASH_EXT_TRACE(int trace_k = 0; int64_t* const trace_buf = mma_tid % 128 == 0 ? p.sm90_trace : nullptr;)
   for (int t = dynamic ? tile_ring_pop(ss, tiles_popped++) : int(blockIdx.x); t < work_end; t = next_tile(t)) {
     int tile = t, n_lo = 0, n_hi = 0;
     if constexpr (!kHasWindow) {
@@ -460,6 +470,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     const int row0 = m_block * kBlockM - row_shift;  // may be negative (first tile, aligned to the end)
     const int rows_q = seq.seqlen_q - row0;  // rows [max(0, -row0), rows_q) of the tile exist
     const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+    FLASH_EXT_TRACE(const int tk = trace_k++; const int trace_role = 1 + consumer_wg;
+                    trace::mark(trace_buf, trace_role, tk, trace::kTileTop);
+                    trace::value(trace_buf, trace_role, tk, trace::kBlocks, n_max - n_min);
+                    trace::value(trace_buf, trace_role, tk, trace::kTile, t);)
 
     OnlineSoftmax<kRows> softmax;
     CUTE_UNROLL
@@ -474,6 +488,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     if (n_min < n_max) {
       if (pp_per_tile && consumer_wg == kWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 goes first
       Barrier::wait(&ss.barrier_q[consumer_wg], q_loads & 1);
+      FLASH_EXT_TRACE(trace::mark(trace_buf, trace_role, tk, trace::kQReady);)
       // This warpgroup's rows of Q are free for the next tile once its last S = Q K^T is done.
       auto release_q_after = [&](int n) __attribute__((always_inline)) {
         if (n == n_min) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
@@ -498,6 +513,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         turn_end();
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
+        FLASH_EXT_TRACE(trace::mark(trace_buf, trace_role, tk, trace::kFirstS);)
         pipeline_k.consumer_release(read_k);
         ++read_k;
         release_q_after(n_block);
@@ -553,12 +569,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         convert_into(rP, acc_s);
       }
       ++q_loads;
+      FLASH_EXT_TRACE(trace::mark(trace_buf, trace_role, tk, trace::kLoopDone);)
       pipeline_v.consumer_wait(read_v);
       turn_begin();
       warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
       turn_end();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
+      FLASH_EXT_TRACE(trace::mark(trace_buf, trace_role, tk, trace::kLastPV);)
       pipeline_v.consumer_release(read_v);
       ++read_v;
       if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
@@ -663,10 +681,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         if (row < rows_q && row >= -row0) lse_out[row] = lse[r];
       }
     }
+    FLASH_EXT_TRACE(trace::mark(trace_buf, trace_role, tk, trace::kStored);)
   }
   if (pp_carry && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
   // Shared memory must outlive the last store's reads of it.
   if (o_store_pending && o_store_leader) tma_store_wait<0>();
+  FLASH_EXT_TRACE(if (mma_tid == 0) trace::cta_stamp(p.sm90_trace, 1);)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 

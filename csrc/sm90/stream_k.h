@@ -54,11 +54,11 @@ struct StreamKTail {
   }
 };
 
-// Consumer warpgroup `wg` (of kWGs; its 128 threads, tid 0..127, meet at named barrier `barrier`)
-// after the key blocks of work item t, a stream-K piece: parks this piece's state and, if it is
-// the tile's last to arrive, merges all pieces into softmax and o_rows (then finalized and
-// stored as a whole tile's) and returns true; else returns false (the tile is not this piece's
-// to store).
+// Consumer warpgroup `wg` (of kWGs; its 128 threads, tid 0..127, meet through barrier_sync() and
+// vote through barrier_any(pred), both on the warpgroup's own named barrier) after the key
+// blocks of work item t, a stream-K piece: parks this piece's state and, if it is the tile's
+// last to arrive, merges all pieces into softmax and o_rows (then finalized and stored as a
+// whole tile's) and returns true; else returns false (the tile is not this piece's to store).
 template <int kWGs, int kRows, typename TensorO, typename BarrierSync, typename BarrierAny>
 __device__ __forceinline__ bool stream_k_park_or_merge(const StreamKTail& sk, const FwdParams& p, int t, int wg,
                                                        int tid, OnlineSoftmax<kRows>& softmax, TensorO& o_rows,

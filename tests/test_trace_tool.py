@@ -1,0 +1,59 @@
+"""tools/trace_fwd.py's analysis of a timeline buffer (CPU: a synthetic buffer; the trace itself
+needs a FLASH_EXT_SM90_TRACE=1 build and a Hopper GPU)."""
+
+import pytest
+
+import trace_fwd  # tools/ is on sys.path (conftest.py)
+
+
+def test_layout_matches_header():
+    lay = trace_fwd.Layout.from_header()
+    assert (lay.ctas, lay.roles, lay.tiles, lay.events) == (256, 4, 32, 8)
+    assert lay.cta_words == 4 + 4 * 32 * 8 and lay.words == 256 * lay.cta_words
+    assert len(set(lay.names[k] for k in ("kTileTop", "kQReady", "kFirstS", "kLoopDone", "kLastPV",
+                                          "kStored", "kBlocks", "kTile"))) == 8
+
+
+def _write_tile(buf, lay, cta, role, slot, times, blocks, tile):
+    w = cta * lay.cta_words + 4 + (role * lay.tiles + slot) * lay.events
+    for name, t in times.items():
+        buf[w + lay.names[name]] = t
+    buf[w + lay.names["kBlocks"]] = blocks
+    buf[w + lay.names["kTile"]] = tile
+
+
+def test_analyze_synthetic_timeline():
+    lay = trace_fwd.Layout.from_header()
+    buf = [0] * lay.words
+    # CTA 3: 2 GHz, 10 us; one consumer warpgroup, two tiles of 5 key blocks at 1000 cycles each
+    base = 3 * lay.cta_words
+    buf[base:base + 4] = [1000, 50_000, 21_000, 60_000]
+    for slot, t0 in enumerate((2000, 10_000)):
+        times = {"kTileTop": t0, "kQReady": t0 + 300, "kFirstS": t0 + 800, "kLoopDone": t0 + 4800,
+                 "kLastPV": t0 + 5600, "kStored": t0 + 7000}
+        _write_tile(buf, lay, 3, 1, slot, times, 5, 3 + 132 * slot)
+        _write_tile(buf, lay, 3, 0, slot, {"kProdTop": t0 - 500, "kProdQ": t0 - 100}, 5, 3 + 132 * slot)
+    # CTA 7 ends 2 us earlier and has no tiles
+    base = 7 * lay.cta_words
+    buf[base:base + 4] = [5, 50_000, 16_005, 58_000]
+    res = trace_fwd.analyze(buf, lay)
+    assert [c["cta"] for c in res["ctas"]] == [3, 7]
+    assert res["ghz"] == pytest.approx(2.0)
+    assert res["steady_cycles_per_block"] == pytest.approx(1000.0)
+    t0, t1 = res["tiles"]
+    assert (t0["q_wait"], t0["first_s"], t0["loop"], t0["last_pv"], t0["epilogue"]) == (300, 500, 4000, 800, 1400)
+    assert t0["to_next"] == 1000 and t0["span"] == 8000 and t0["boundary"] == pytest.approx(3000.0)
+    assert t0["q_after_issue"] == 400
+    assert t1["to_next"] is None and "boundary" not in t1 and t1["span"] == 7000
+    assert res["kernel_ns"] == 10_000
+    assert res["idle_fraction"] == pytest.approx(1 - (10_000 + 8_000) / (2 * 10_000))
+    assert res["cta_end_ns"] == [8_000, 10_000]
+    text = trace_fwd.format_report("d=256 s=2048", res, [0.5, 0.51], 0.52)
+    assert "1000 cycles per key block" in text and "boundary" in text and "10.0" in text
+
+
+def test_analyze_empty_buffer():
+    lay = trace_fwd.Layout.from_header()
+    res = trace_fwd.analyze([0] * lay.words, lay)
+    assert res["ctas"] == [] and res["tiles"] == [] and res["idle_fraction"] is None
+    assert "0 CTAs" in trace_fwd.format_report("x", res, [], 0.0)
