@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       if (n_min >= n_max) continue;
       FLASH_EXT_TRACE(const int tk = trace_k++; trace::mark(p.sm90_trace, 0, tk, trace::kProdTop);
                       trace::value(p.sm90_trace, 0, tk, trace::kBlocks, n_max - n_min);
-                      trace::value(p.sm90_trace, 0, tk, trace::kTile, t);)
+                      trace::value(p.sm90_trace, 0, tk, trace::kTile, tile);)
       const int head_kv = head / (p.heads_q / p.heads_kv);
       const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
       const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     FLASH_EXT_TRACE(const int tk = trace_k++; const int trace_role = 1 + consumer_wg;
                     trace::mark(trace_buf, trace_role, tk, trace::kTileTop);
                     trace::value(trace_buf, trace_role, tk, trace::kBlocks, n_max - n_min);
-                    trace::value(trace_buf, trace_role, tk, trace::kTile, t);)
+                    trace::value(trace_buf, trace_role, tk, trace::kTile, tile);)
 
     OnlineSoftmax<kRows> softmax;
     CUTE_UNROLL

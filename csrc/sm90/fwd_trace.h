@@ -31,7 +31,7 @@ constexpr int kProdQ = 2;       // every warpgroup's Q slab is issued
 constexpr int kProdLastV = 3;   // V of the last key block is issued
 // Values (both roles).
 constexpr int kBlocks = 6;  // key blocks of the tile (n_max - n_min)
-constexpr int kTile = 7;    // the tile's index in the walk
+constexpr int kTile = 7;    // the tile (for a stream-K piece: the tile it is a piece of)
 
 #if defined(FLASH_EXT_SM90_TRACE) && defined(__CUDACC__)
 __device__ __forceinline__ int64_t global_ns() {
