@@ -9,14 +9,18 @@
 #   MAX_JOBS          default 16
 #   FLASH_EXT_PTXAS_VERBOSE  default 1 (register/spill report -> OUTDIR/build.log, summary.txt)
 #   PYTEST_ARGS       replaces the test selection "tests", e.g. "tests/test_fwd.py -k causal"
-#   BENCH_ARGS        replaces "--quick" for python -m flash_ext.bench
+#   BENCH_ARGS        replaces "--quick" for python -m flash_ext.bench ("none": no bench)
+#   TRACE_ARGS        if set: python tools/trace_fwd.py $TRACE_ARGS --out OUTDIR/trace after the
+#                     tests (needs FLASH_EXT_SM90_TRACE=1, a trace build; docs/kernels-sm90.md)
 #   PYTHON            default python3
 #   SKIP_BUILD=1      reuse the flash_ext/_C*.so already built in place
 #   BUILD_ONLY=1      stop after the build (e.g. a first call that only builds; the next call's
 #                     build is then an incremental no-op, as long as build/ is still there)
 #
-# OUTDIR gets at most: env.txt build.log tests.log bench.log summary.txt + the bench's own files.
-# Exit status: 0 all good; 1 build failed (nothing run); 2 tests failed; 3 only the bench failed.
+# OUTDIR gets at most: env.txt build.log tests.log trace.log trace/ bench.log summary.txt + the
+# bench's own files.
+# Exit status: 0 all good; 1 build failed (nothing run); 2 tests failed; 3 the bench failed;
+# 4 only the trace failed.
 
 set -uo pipefail
 
@@ -137,8 +141,10 @@ EOF
 
 tests_rc=-1
 bench_rc=-1
+trace_rc=-1
 tests_s=0
 bench_s=0
+trace_s=0
 if [ $build_rc -eq 0 ] && [ "${BUILD_ONLY:-0}" != 1 ]; then
   hr "build info"
   "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
@@ -160,13 +166,28 @@ EOF
   tests_s=$(( $(now) - t ))
   [ "$tests_rc" -eq 5 ] && echo "pytest: no tests were collected (rc 5): counted as a failure"
 
+  # -------------------------------------------------------------- timeline (trace build)
+  if [ -n "${TRACE_ARGS:-}" ]; then
+    hr "trace: python tools/trace_fwd.py $TRACE_ARGS --out $OUT/trace"
+    t=$(now)
+    # shellcheck disable=SC2086
+    "$PY" tools/trace_fwd.py $TRACE_ARGS --out "$OUT/trace" 2>&1 | tee "$OUT/trace.log"
+    trace_rc=${PIPESTATUS[0]}
+    trace_s=$(( $(now) - t ))
+  fi
+
   # -------------------------------------------------------------- bench
-  hr "bench: python -m flash_ext.bench ${BENCH_ARGS:---quick} --out $OUT"
-  t=$(now)
-  # shellcheck disable=SC2086
-  "$PY" -m flash_ext.bench ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log"
-  bench_rc=${PIPESTATUS[0]}
-  bench_s=$(( $(now) - t ))
+  if [ "${BENCH_ARGS:-}" = none ]; then
+    echo "BENCH_ARGS=none: no bench" > "$OUT/bench.log"
+    bench_rc=0
+  else
+    hr "bench: python -m flash_ext.bench ${BENCH_ARGS:---quick} --out $OUT"
+    t=$(now)
+    # shellcheck disable=SC2086
+    "$PY" -m flash_ext.bench ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+    bench_rc=${PIPESTATUS[0]}
+    bench_s=$(( $(now) - t ))
+  fi
 fi
 
 # ---------------------------------------------------------------- summary (printed last)
@@ -184,6 +205,7 @@ fi
     summary_line=$(grep -E '[0-9]+ (passed|failed|error|skipped)|no tests ran|errors? during collection' "$OUT/tests.log" | tail -n 1)
     echo "tests: rc=$tests_rc ${tests_s}s: ${summary_line:-?}"
     grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 10
+    [ -n "${TRACE_ARGS:-}" ] && echo "trace: rc=$trace_rc ${trace_s}s (report: trace/report.txt)"
     echo "bench: rc=$bench_rc ${bench_s}s"
     echo "---- bench (tail of bench.log) ----"
     tail -n "${BENCH_TAIL:-30}" "$OUT/bench.log"
@@ -200,4 +222,5 @@ if [ $build_rc -ne 0 ]; then exit 1; fi
 if [ "${BUILD_ONLY:-0}" = 1 ]; then exit 0; fi
 if [ "$tests_rc" -ne 0 ]; then exit 2; fi
 if [ "$bench_rc" -ne 0 ]; then exit 3; fi
+if [ -n "${TRACE_ARGS:-}" ] && [ "$trace_rc" -ne 0 ]; then exit 4; fi
 exit 0

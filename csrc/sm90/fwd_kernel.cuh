@@ -686,7 +686,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   if (pp_carry && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
   // Shared memory must outlive the last store's reads of it.
   if (o_store_pending && o_store_leader) tma_store_wait<0>();
-  FLASH_EXT_TRACE(if (mma_tid == 0) trace::cta_stamp(p.sm90_trace, 1);)
+  // The CTA's end: after every consumer warpgroup (named barrier 15, unused elsewhere).
+  FLASH_EXT_TRACE(named_barrier_sync(15, Traits::kMmaThreads);
+                  if (mma_tid == 0) trace::cta_stamp(p.sm90_trace, 1);)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
