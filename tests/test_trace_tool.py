@@ -33,6 +33,8 @@ def test_analyze_synthetic_timeline():
                  "kLastPV": t0 + 5600, "kStored": t0 + 7000}
         _write_tile(buf, lay, 3, 1, slot, times, 5, 3 + 132 * slot)
         _write_tile(buf, lay, 3, 0, slot, {"kProdTop": t0 - 500, "kProdQ": t0 - 100}, 5, 3 + 132 * slot)
+    # a third tile without key blocks (a window): only its start and its store are stamped
+    _write_tile(buf, lay, 3, 1, 2, {"kTileTop": 17_500, "kStored": 17_900}, 0, 9)
     # CTA 7 ends 2 us earlier and has no tiles
     base = 7 * lay.cta_words
     buf[base:base + 4] = [5, 50_000, 16_005, 58_000]
@@ -44,7 +46,7 @@ def test_analyze_synthetic_timeline():
     assert (t0["q_wait"], t0["first_s"], t0["loop"], t0["last_pv"], t0["epilogue"]) == (300, 500, 4000, 800, 1400)
     assert t0["to_next"] == 1000 and t0["span"] == 8000 and t0["boundary"] == pytest.approx(3000.0)
     assert t0["q_after_issue"] == 400
-    assert t1["to_next"] is None and "boundary" not in t1 and t1["span"] == 7000
+    assert t1["to_next"] == 500 and t1["span"] == 7500 and len(res["tiles"]) == 2
     assert res["kernel_ns"] == 10_000
     assert res["idle_fraction"] == pytest.approx(1 - (10_000 + 8_000) / (2 * 10_000))
     assert res["cta_end_ns"] == [8_000, 10_000]

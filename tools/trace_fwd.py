@@ -95,7 +95,10 @@ def analyze(buf, lay: Layout) -> dict:
                     break
                 rows.append(e)
             for k, e in enumerate(rows):
-                prod = base + 4 + k * lay.events  # the producer's slot k: the same tile (static walk)
+                if e[ev["kQReady"]] == 0:  # no visible key block (a window): only the epilogue ran
+                    continue
+                prod = base + 4 + k * lay.events  # the producer's slot k: the same tile if it
+                # had key blocks (checked by the tile index below)
                 t = {"cta": c, "wg": role - 1, "slot": k, "blocks": e[ev["kBlocks"]], "tile": e[ev["kTile"]]}
                 t["q_wait"] = e[ev["kQReady"]] - e[ev["kTileTop"]]
                 t["first_s"] = e[ev["kFirstS"]] - e[ev["kQReady"]]
