@@ -33,6 +33,9 @@ def test_analyze_synthetic_timeline():
                  "kLastPV": t0 + 5600, "kStored": t0 + 7000}
         _write_tile(buf, lay, 3, 1, slot, times, 5, 3 + 132 * slot)
         _write_tile(buf, lay, 3, 0, slot, {"kProdTop": t0 - 500, "kProdQ": t0 - 100}, 5, 3 + 132 * slot)
+    # warpgroup 1 on the first tile, 600 cycles behind warpgroup 0
+    _write_tile(buf, lay, 3, 2, 0, {"kTileTop": 2500, "kQReady": 2600, "kFirstS": 3400, "kLoopDone": 7400,
+                                    "kLastPV": 8200, "kStored": 9000}, 5, 3)
     # a third tile without key blocks (a window): only its start and its store are stamped
     _write_tile(buf, lay, 3, 1, 2, {"kTileTop": 17_500, "kStored": 17_900}, 0, 9)
     # CTA 7 ends 2 us earlier and has no tiles
@@ -40,18 +43,20 @@ def test_analyze_synthetic_timeline():
     buf[base:base + 4] = [5, 50_000, 16_005, 58_000]
     res = trace_fwd.analyze(buf, lay)
     assert [c["cta"] for c in res["ctas"]] == [3, 7]
+    assert res["wg1_behind"] == [600]
     assert res["ghz"] == pytest.approx(2.0)
     assert res["steady_cycles_per_block"] == pytest.approx(1000.0)
-    t0, t1 = res["tiles"]
+    t0, t1 = [t for t in res["tiles"] if t["wg"] == 0]
     assert (t0["q_wait"], t0["first_s"], t0["loop"], t0["last_pv"], t0["epilogue"]) == (300, 500, 4000, 800, 1400)
     assert t0["to_next"] == 1000 and t0["span"] == 8000 and t0["boundary"] == pytest.approx(3000.0)
     assert t0["q_after_issue"] == 400
-    assert t1["to_next"] == 500 and t1["span"] == 7500 and len(res["tiles"]) == 2
+    assert t1["to_next"] == 500 and t1["span"] == 7500 and len(res["tiles"]) == 3
     assert res["kernel_ns"] == 10_000
     assert res["idle_fraction"] == pytest.approx(1 - (10_000 + 8_000) / (2 * 10_000))
     assert res["cta_end_ns"] == [8_000, 10_000]
     text = trace_fwd.format_report("d=256 s=2048", res, [0.5, 0.51], 0.52)
     assert "1000 cycles per key block" in text and "boundary" in text and "10.0" in text
+    assert "warpgroup 1's first S after warpgroup 0's, same tile: median 600" in text
 
 
 def test_analyze_empty_buffer():

@@ -17,6 +17,7 @@ few calls without the trace, then one call with it, and reports per consumer war
   to next    O written -> the next tile decoded (the scheduler, the dynamic claim)
   boundary   a tile's span minus its key blocks at the steady per-block pace: what the tile costs
              beyond its main loop
+and how far warpgroup 1 runs behind warpgroup 0 (their first S of the same tile),
 and per CTA the span from its first to its last cycle against the kernel's: the idle SM time of
 the last wave. The trace marks cost a few stores per tile (the main loop has none); compare the
 traced call's time with the untraced ones it prints beside it.
@@ -78,7 +79,7 @@ def analyze(buf, lay: Layout) -> dict:
     """Phases of every consumer tile and the CTAs' spans from a trace buffer (a flat sequence of
     ints, the layout of ``lay``). Pure Python: the CPU tests feed it a synthetic buffer."""
     ev = lay.names
-    ctas, tiles, per_block = [], [], []
+    ctas, tiles, per_block, wg_offsets = [], [], [], []
     for c in range(lay.ctas):
         base = c * lay.cta_words
         clk0, ns0, clk1, ns1 = (int(buf[base + i]) for i in range(4))
@@ -86,6 +87,14 @@ def analyze(buf, lay: Layout) -> dict:
             continue
         ghz = (clk1 - clk0) / (ns1 - ns0)
         ctas.append({"cta": c, "start_ns": ns0, "end_ns": ns1, "ghz": ghz})
+        # how far warpgroup 1 runs behind warpgroup 0 on the same tile (lockstep: ~0)
+        for k in range(lay.tiles):
+            w0 = base + 4 + (1 * lay.tiles + k) * lay.events
+            w1 = base + 4 + (2 * lay.tiles + k) * lay.events
+            f0, f1 = int(buf[w0 + ev["kFirstS"]]), int(buf[w1 + ev["kFirstS"]])
+            if not (f0 and f1) or int(buf[w0 + ev["kTile"]]) != int(buf[w1 + ev["kTile"]]):
+                break
+            wg_offsets.append(f1 - f0)
         for role in range(1, lay.roles):
             rows = []
             for k in range(lay.tiles):
@@ -121,7 +130,7 @@ def analyze(buf, lay: Layout) -> dict:
     span_ns = (max(c["end_ns"] for c in ctas) - min(c["start_ns"] for c in ctas)) if ctas else 0
     busy_ns = sum(c["end_ns"] - c["start_ns"] for c in ctas)
     return {
-        "ctas": ctas, "tiles": tiles, "steady_cycles_per_block": steady,
+        "ctas": ctas, "tiles": tiles, "steady_cycles_per_block": steady, "wg1_behind": wg_offsets,
         "ghz": _median([c["ghz"] for c in ctas]),
         "kernel_ns": span_ns,
         "idle_fraction": 1 - busy_ns / (span_ns * len(ctas)) if ctas and span_ns else None,
@@ -149,6 +158,10 @@ def format_report(name: str, res: dict, untraced_ms: list[float], traced_ms: flo
         med = _median(xs)
         us = f"{med / ghz / 1e3:.2f}" if ghz else "-"
         lines.append(f"   {ph:14s} {med:9.0f} {_pct(xs, 0.1):9.0f} {_pct(xs, 0.9):9.0f}   ({us} us)")
+    off = res["wg1_behind"]
+    if off:
+        lines.append(f"   warpgroup 1's first S after warpgroup 0's, same tile: median {_median(off):.0f}, "
+                     f"p10 {_pct(off, 0.1):.0f}, p90 {_pct(off, 0.9):.0f} cycles")
     ends = res["cta_end_ns"]
     if ends:
         lines.append(f"   CTA ends (us from the first start): first {ends[0] / 1e3:.1f}, median "
