@@ -60,7 +60,7 @@ def test_trace_timeline(d, causal):
         assert clk1 > clk0 and ns1 >= ns0
         for role in range(1, lay.roles):
             for k_slot in range(lay.tiles):
-                w = base + 4 + (role * lay.tiles + k_slot) * lay.events
+                w = lay.slot(c, role, k_slot)
                 e = buf[w:w + lay.events]
                 if e[ev["kTileTop"]] == 0:
                     assert all(x == 0 for x in e[:6])
@@ -71,13 +71,12 @@ def test_trace_timeline(d, causal):
                 if e[ev["kStored"]]:
                     assert e[ev["kLoopDone"]] <= e[ev["kLastPV"]] <= e[ev["kStored"]] <= clk1
                     stored.setdefault(role, []).append(e[ev["kTile"]])
-            # the producer's slots hold the same tiles in the same order
-            prod = [buf[base + 4 + k_slot * lay.events + ev["kTile"]] for k_slot in range(lay.tiles)
-                    if buf[base + 4 + k_slot * lay.events + ev["kProdTop"]]]
-            cons = [buf[base + 4 + (1 * lay.tiles + k_slot) * lay.events + ev["kTile"]]
-                    for k_slot in range(lay.tiles)
-                    if buf[base + 4 + (1 * lay.tiles + k_slot) * lay.events + ev["kTileTop"]]]
-            assert prod == cons, (c, prod, cons)
+        # the producer's slots hold the same tiles in the same order
+        prod = [buf[lay.slot(c, 0, j) + ev["kTile"]] for j in range(lay.tiles)
+                if buf[lay.slot(c, 0, j) + ev["kProdTop"]]]
+        cons = [buf[lay.slot(c, 1, j) + ev["kTile"]] for j in range(lay.tiles)
+                if buf[lay.slot(c, 1, j) + ev["kTileTop"]]]
+        assert prod == cons, (c, prod, cons)
     assert ctas > 0
     # every tile stored once by each consumer warpgroup (stream-K: by its last piece only)
     roles = sorted(stored)

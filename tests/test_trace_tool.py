@@ -10,12 +10,13 @@ def test_layout_matches_header():
     lay = trace_fwd.Layout.from_header()
     assert (lay.ctas, lay.roles, lay.tiles, lay.events) == (256, 4, 32, 8)
     assert lay.cta_words == 4 + 4 * 32 * 8 and lay.words == 256 * lay.cta_words
+    assert lay.slot(1, 2, 3) == lay.cta_words + 4 + (2 * 32 + 3) * 8
     assert len(set(lay.names[k] for k in ("kTileTop", "kQReady", "kFirstS", "kLoopDone", "kLastPV",
                                           "kStored", "kBlocks", "kTile"))) == 8
 
 
 def _write_tile(buf, lay, cta, role, slot, times, blocks, tile):
-    w = cta * lay.cta_words + 4 + (role * lay.tiles + slot) * lay.events
+    w = lay.slot(cta, role, slot)
     for name, t in times.items():
         buf[w + lay.names[name]] = t
     buf[w + lay.names["kBlocks"]] = blocks

@@ -53,6 +53,10 @@ class Layout:
     def words(self) -> int:
         return self.ctas * self.cta_words
 
+    def slot(self, cta: int, role: int, k: int) -> int:
+        """Index of the first word of role's k-th tile slot of CTA cta (fwd_trace.h's slot())."""
+        return cta * self.cta_words + 4 + (role * self.tiles + k) * self.events
+
     @classmethod
     def from_header(cls, path: str = HEADER) -> "Layout":
         text = open(path).read()
@@ -89,8 +93,7 @@ def analyze(buf, lay: Layout) -> dict:
         ctas.append({"cta": c, "start_ns": ns0, "end_ns": ns1, "ghz": ghz})
         # how far warpgroup 1 runs behind warpgroup 0 on the same tile (lockstep: ~0)
         for k in range(lay.tiles):
-            w0 = base + 4 + (1 * lay.tiles + k) * lay.events
-            w1 = base + 4 + (2 * lay.tiles + k) * lay.events
+            w0, w1 = lay.slot(c, 1, k), lay.slot(c, 2, k)
             f0, f1 = int(buf[w0 + ev["kFirstS"]]), int(buf[w1 + ev["kFirstS"]])
             if not (f0 and f1) or int(buf[w0 + ev["kTile"]]) != int(buf[w1 + ev["kTile"]]):
                 break
@@ -98,7 +101,7 @@ def analyze(buf, lay: Layout) -> dict:
         for role in range(1, lay.roles):
             rows = []
             for k in range(lay.tiles):
-                w = base + 4 + (role * lay.tiles + k) * lay.events
+                w = lay.slot(c, role, k)
                 e = [int(buf[w + i]) for i in range(lay.events)]
                 if e[ev["kTileTop"]] == 0:
                     break
@@ -106,7 +109,7 @@ def analyze(buf, lay: Layout) -> dict:
             for k, e in enumerate(rows):
                 if e[ev["kQReady"]] == 0:  # no visible key block (a window): only the epilogue ran
                     continue
-                prod = base + 4 + k * lay.events  # the producer's slot k: the same tile if it
+                prod = lay.slot(c, 0, k)  # the producer's slot k: the same tile if it
                 # had key blocks (checked by the tile index below)
                 t = {"cta": c, "wg": role - 1, "slot": k, "blocks": e[ev["kBlocks"]], "tile": e[ev["kTile"]]}
                 t["q_wait"] = e[ev["kQReady"]] - e[ev["kTileTop"]]
@@ -187,6 +190,7 @@ def main(argv=None) -> int:
 
     import torch
     import flash_ext
+    from flash_ext.bench import time_ms  # CUDA events around each call
     if not torch.cuda.is_available():
         print("trace_fwd needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -203,29 +207,16 @@ def main(argv=None) -> int:
                 b, h = max(1, 16384 // s), 2048 // d
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 call = lambda: flash_ext.attn_fwd(q, k, v, causal=mask == "causal")  # noqa: E731
-                for _ in range(5):
-                    call()
-                untraced = []
-                for _ in range(args.calls):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    call()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    untraced.append(e0.elapsed_time(e1))
+                untraced = [time_ms(call, reps=1, warmup=5 if i == 0 else 0) for i in range(args.calls)]
                 buf.zero_()
                 torch.ops.flash_ext.sm90_trace_buffer(buf)
                 try:
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    call()
-                    e1.record()
-                    torch.cuda.synchronize()
+                    traced = time_ms(call, reps=1, warmup=0)
                 finally:
                     torch.ops.flash_ext.sm90_trace_buffer(None)
                 res = analyze(buf.cpu().tolist(), lay)
                 name = f"d={d} s={s} b={b} h={h} {mask}"
-                reports.append(format_report(name, res, untraced, e0.elapsed_time(e1)))
+                reports.append(format_report(name, res, untraced, traced))
                 print(reports[-1], flush=True)
                 raw[name] = {"tiles": res["tiles"], "ctas": res["ctas"], "untraced_ms": untraced}
     if args.out:

@@ -42,11 +42,11 @@ __device__ __forceinline__ int64_t global_ns() {
 __device__ __forceinline__ int64_t* slot(int64_t* buf, int role, int k) {
   return buf + int64_t(blockIdx.x) * kTraceCtaWords + 4 + (role * kTraceTiles + k) * kTraceEvents;
 }
-__device__ __forceinline__ void mark(int64_t* buf, int role, int k, int event) {
-  if (buf != nullptr && blockIdx.x < kTraceCtas && k < kTraceTiles) slot(buf, role, k)[event] = clock64();
-}
 __device__ __forceinline__ void value(int64_t* buf, int role, int k, int event, int64_t v) {
   if (buf != nullptr && blockIdx.x < kTraceCtas && k < kTraceTiles) slot(buf, role, k)[event] = v;
+}
+__device__ __forceinline__ void mark(int64_t* buf, int role, int k, int event) {
+  value(buf, role, k, event, clock64());
 }
 __device__ __forceinline__ void cta_stamp(int64_t* buf, int which) {  // 0: start, 1: end
   if (buf != nullptr && blockIdx.x < kTraceCtas) {
