@@ -5,8 +5,8 @@ Usage: PYTHONPATH=. python tools/ab_sm90.py [--variants auto,old,tma_off,per_til
        [--seqlens 1024,4096] [--masks full,causal,local] [--rounds N] [--no-cudnn] [--bh 1x10]
 
 Variants (environment variables read by flash_api.cpp at each call):
-  auto      the defaults: TMA-store epilogue (d <= 192), persistent grid (tiles claimed from a
-            counter under causal/local masks)
+  auto      the defaults: TMA-store epilogue (at d = 256 staged in Q's buffer), persistent grid
+            (tiles claimed from a counter under causal/local masks)
   old       the defaults before the TMA store and the dynamic scheduler: register epilogue, and
             one CTA per tile under masks
   tma_off   FLASH_EXT_SM90_TMA_STORE=0 (register epilogue), grid as auto

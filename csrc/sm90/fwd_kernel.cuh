@@ -59,7 +59,7 @@ struct FwdArgs {
                                        take<0, 2>(typename Traits::SmemLayoutKV{}),
                                        Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
   // One consumer warpgroup's 64 rows of O; built on the host only when p.sm90_tma_store_o.
-  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorO{}, typename Traits::SmemLayoutO{},
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorO{}, typename Traits::SmemLayoutOStage{},
                                      Shape<_64, Int<Traits::kHeadDim>>{}, _1{}));
   FwdParams p;
   TmaQ tma_q;
@@ -243,8 +243,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // Tiles claimed from p.tile_counter (only under a mask; the launch sets it for a persistent grid).
   const bool dynamic = kHasWindow && p.tile_counter != nullptr;
   // O through shared memory and a TMA store; varlen keeps the register epilogue (a 64-row box
-  // would write into the next sequence's rows), and so does d = 256 (no room: kernel_traits.h).
-  const bool tma_store_o = Traits::kHasSmemO && p.sm90_tma_store_o && !varlen;
+  // would write into the next sequence's rows).
+  const bool tma_store_o = p.sm90_tma_store_o && !varlen;
+  // d = 256: O is staged in the warpgroup's slab of Q (kernel_traits.h), so the slab is released
+  // to the producer by the store's issuing thread once the store has read it, not by every
+  // consumer thread after the tile's last S.
+  const bool o_in_q = !Traits::kHasSmemO && tma_store_o;
 
   // Barriers: Q full (TMA) and Q empty (consumers done with a tile's Q); K and V each have a
   // full/empty ring that runs on across tiles.
@@ -255,7 +259,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     if (tma_store_o) cute::prefetch_tma_descriptor(args.tma_o.get_tma_descriptor());
     for (int w = 0; w < Traits::kConsumerWGs; ++w) {
       Barrier::init(&ss.barrier_q[w], 1);
-      Barrier::init(&ss.barrier_q_empty[w], 128);
+      Barrier::init(&ss.barrier_q_empty[w], o_in_q ? 1 : 128);
     }
     if (dynamic) {
       for (int slot = 0; slot < 2; ++slot) {
@@ -490,8 +494,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       Barrier::wait(&ss.barrier_q[consumer_wg], q_loads & 1);
       FLASH_EXT_TRACE(trace::mark(trace_buf, trace_role, tk, trace::kQReady);)
       // This warpgroup's rows of Q are free for the next tile once its last S = Q K^T is done.
+      // At d = 256 the slab is released after the main loop instead (below), which keeps a
+      // runtime test out of the loop (it cost 5-15 instructions there).
       auto release_q_after = [&](int n) __attribute__((always_inline)) {
-        if (n == n_min) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
+        if constexpr (Traits::kHasSmemO) {
+          if (n == n_min) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
+        }
       };
       Tensor rP = make_tensor<Element>(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
       Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
@@ -579,6 +587,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       FLASH_EXT_TRACE(trace::mark(trace_buf, trace_role, tk, trace::kLastPV);)
       pipeline_v.consumer_release(read_v);
       ++read_v;
+      // d = 256 with the register epilogue (varlen, FLASH_EXT_SM90_TMA_STORE=0): the slab of Q
+      // goes back here, after the last P V rather than the last S.
+      if constexpr (!Traits::kHasSmemO) {
+        if (!o_in_q) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
+      }
       if (pp_per_tile && consumer_wg == 0) named_barrier_sync(1, 256);  // the last hand-over
     }
 
@@ -590,6 +603,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
               stream_k(), p, t, consumer_wg, mma_tid % 128, softmax, o_rows, scale_log2,
               [&]() { named_barrier_sync(o_barrier, 128); },
               [&](bool pred) { return named_barrier_any(pred, o_barrier, 128); })) {
+        if (o_in_q && n_min < n_max) {  // the parked piece's slab of Q goes back to the producer
+          named_barrier_sync(o_barrier, 128);
+          if (o_store_leader) Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
+        }
         continue;
       }
     }
@@ -599,66 +616,81 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     softmax.finalize(o_rows, scale_log2, lse);
     const int64_t q_row0 = row0;
     bool o_stored = false;
-    if constexpr (Traits::kHasSmemO) {
-      if (tma_store_o) {
-        using SmemLayoutO = typename Traits::SmemLayoutO;
-        if (o_store_pending) {  // the previous tile's store must have read sO before it is rewritten
-          if (o_store_leader) tma_store_wait<0>();
-          named_barrier_sync(o_barrier, 128);
-        }
-        // Coordinates and shared-memory addresses from an opaque thread index: computed from
-        // mma_tid they are loop-invariant, and the compiler kept all of them live across the main
-        // loop (300-560 bytes of spills at d = 128).
-        const int tid = opaque(mma_tid);
-        const int wg = tid / 128;
-        // 32-bit shared addresses with the tile's swizzle applied to the byte address, as the TMA
-        // unit and CuTe's swizzled smem pointers do (a CuTe smem tensor here compiled to generic
-        // 64-bit ST.E stores). The tiles are 1024-byte aligned, so the swizzle phase matches.
-        constexpr auto swizzle_o = get_swizzle_portion(SmemLayoutO{});
-        constexpr auto layout_o = get_nonswizzle_portion(SmemLayoutO{});
-        const uint32_t o_base = cute::cast_smem_ptr_to_uint(ss.o.o.data()) +
-                                uint32_t(wg * cosize_v<SmemLayoutO> * int(sizeof(Element)));
-        auto pack = [&](int i) {  // values i, i+1 are adjacent columns of one row
-          cutlass::Array<Element, 2> pair;
-          pair[0] = Element(acc_o(i));
-          pair[1] = Element(acc_o(i + 1));
-          uint32_t packed;
-          static_assert(sizeof(pair) == sizeof(packed));
-          memcpy(&packed, &pair, sizeof(packed));
-          return packed;
-        };
-        // stmatrix: a thread's values 8q .. 8q + 7 are its parts of the four 8 x 8 matrices at
-        // columns 16q .. 16q + 15 of its warp's 16 rows (rows 0-7 / 8-15, columns + 0 / + 8), so a
-        // warp stores them with one instruction; each lane addresses one matrix row, whose 8
-        // values (16 bytes) stay contiguous under the 64- and 128-byte swizzles. (One 32-bit store
-        // per value pair, until session 14, took ~230 more instructions per thread per tile.)
+    // Staged in the slab of Q only where this tile loaded one (a tile without keys loads none,
+    // and its slab may already hold the next tile's Q).
+    if (tma_store_o && (Traits::kHasSmemO || n_min < n_max)) {
+      if (o_in_q) {
+        // Every warp of the warpgroup is past its last S = Q K^T before the slab is overwritten.
+        named_barrier_sync(o_barrier, 128);
+      } else if (o_store_pending) {  // the previous tile's store must have read sO before it is rewritten
+        if (o_store_leader) tma_store_wait<0>();
+        named_barrier_sync(o_barrier, 128);
+      }
+      // Coordinates and shared-memory addresses from an opaque thread index: computed from
+      // mma_tid they are loop-invariant, and the compiler kept all of them live across the main
+      // loop (300-560 bytes of spills at d = 128).
+      const int tid = opaque(mma_tid);
+      const int wg = tid / 128;
+      auto pack = [&](int i) {  // values i, i+1 are adjacent columns of one row
+        cutlass::Array<Element, 2> pair;
+        pair[0] = Element(acc_o(i));
+        pair[1] = Element(acc_o(i + 1));
+        uint32_t packed;
+        static_assert(sizeof(pair) == sizeof(packed));
+        memcpy(&packed, &pair, sizeof(packed));
+        return packed;
+      };
+      // stmatrix: a thread's values 8q .. 8q + 7 are its parts of the four 8 x 8 matrices at
+      // columns 16q .. 16q + 15 of its warp's 16 rows (rows 0-7 / 8-15, columns + 0 / + 8), so a
+      // warp stores them with one instruction; each lane addresses one matrix row, whose 8
+      // values (16 bytes) stay contiguous under the 64- and 128-byte swizzles. (One 32-bit store
+      // per value pair, until session 14, took ~230 more instructions per thread per tile.)
+      // 32-bit shared addresses with the tile's swizzle applied to the byte address, as the TMA
+      // unit and CuTe's swizzled smem pointers do (a CuTe smem tensor here compiled to generic
+      // 64-bit ST.E stores). The tiles are 1024-byte aligned, so the swizzle phase matches.
+      auto stage_rows = [&](auto layout, uint32_t base, int row_offset) __attribute__((always_inline)) {
+        constexpr auto swizzle = get_swizzle_portion(decltype(layout){});
+        constexpr auto offsets = get_nonswizzle_portion(decltype(layout){});
         const int lane = tid % 32;
-        const int srow = 16 * ((tid % 128) / 32) + lane % 8 + 8 * ((lane / 8) % 2);
+        const int srow = row_offset + 16 * ((tid % 128) / 32) + lane % 8 + 8 * ((lane / 8) % 2);
         CUTE_UNROLL
         for (int q = 0; q < kHeadDim / 16; ++q) {
           const int scol = 16 * q + 8 * (lane / 16);
-          stmatrix_x4(swizzle_o(o_base + uint32_t(layout_o(srow, scol)) * uint32_t(sizeof(Element))),
+          stmatrix_x4(swizzle(base + uint32_t(offsets(srow, scol)) * uint32_t(sizeof(Element))),
                       pack(8 * q), pack(8 * q + 2), pack(8 * q + 4), pack(8 * q + 6));
         }
-        fence_smem_for_async_proxy();
-        named_barrier_sync(o_barrier, 128);
-        // A box wholly before row 0 (the first tile of a causal call aligned to the end) is not
-        // stored: the TMA unit clips rows past the end but faults on a negative start row.
-        const int o_box = m_block * Traits::kConsumerWGs + wg - row_shift / 64;
-        if (o_store_leader && o_box >= 0) {
+      };
+      Element* stage_ptr;
+      if constexpr (Traits::kHasSmemO) {
+        stage_ptr = ss.o.o.data() + wg * cosize_v<typename Traits::SmemLayoutO>;
+        stage_rows(typename Traits::SmemLayoutO{}, cute::cast_smem_ptr_to_uint(stage_ptr), 0);
+      } else {  // warpgroup wg's rows 64 wg .. 64 wg + 63 of Q's tile
+        stage_ptr = ss.q.data() + wg * Traits::kQSlabElems;
+        stage_rows(typename Traits::SmemLayoutQ{}, cute::cast_smem_ptr_to_uint(ss.q.data()), 64 * wg);
+      }
+      fence_smem_for_async_proxy();
+      named_barrier_sync(o_barrier, 128);
+      // A box wholly before row 0 (the first tile of a causal call aligned to the end) is not
+      // stored: the TMA unit clips rows past the end but faults on a negative start row.
+      const int o_box = m_block * Traits::kConsumerWGs + wg - row_shift / 64;
+      if (o_store_leader) {
+        if (o_box >= 0) {
           // The tensor map has O's real extents: rows >= seqlen_q and columns >= head_dim are
           // clipped by the TMA unit.
-          Tensor sO = make_tensor(make_smem_ptr(ss.o.o.data() + wg * cosize_v<SmemLayoutO>), SmemLayoutO{});
+          Tensor sO = make_tensor(make_smem_ptr(stage_ptr), typename Traits::SmemLayoutOStage{});
           Tensor mO = args.tma_o.get_tma_tensor(args.shape_q)(_, _, head, batch);
-          Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{},
-                                 make_coord(o_box, _0{}));
+          Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{}, make_coord(o_box, _0{}));
           auto [tOgO, tOsO] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
           copy(args.tma_o, tOsO, tOgO);
           tma_store_arrive();
         }
-        o_store_pending = true;
-        o_stored = true;
+        if (o_in_q) {  // the slab goes back to the producer once the store has read it
+          tma_store_wait<0>();
+          Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
+        }
       }
+      o_store_pending = !o_in_q;
+      o_stored = true;
     }
     if (!o_stored) {
       Element* o_tile = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride + q_row0 * p.o_row_stride;

@@ -42,17 +42,18 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                              take<0, 2>(typename Traits::SmemLayoutKV{}),
                              Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
-  // O through shared memory and a TMA store (FLASH_EXT_SM90_TMA_STORE, default on) where the O
-  // tile fits in shared memory (d <= 192), the batch is not varlen (a box would cross into the
-  // next sequence) and the tensor map can describe out (as tma_compatible checks q, k, v).
+  // O through shared memory and a TMA store (FLASH_EXT_SM90_TMA_STORE, default on; staged in its
+  // own buffer, or at d = 256 in Q's: kernel_traits.h) where the batch is not varlen (a box would
+  // cross into the next sequence) and the tensor map can describe out (as tma_compatible checks
+  // q, k, v).
   const bool o_tma_ok = p.o_row_stride > 0 && (p.heads_q == 1 || p.o_head_stride > 0) &&
                         (p.batch == 1 || p.o_batch_stride > 0);
-  args.p.sm90_tma_store_o = Traits::kHasSmemO && p.sm90_tma_store_o && !varlen && o_tma_ok;
+  args.p.sm90_tma_store_o = p.sm90_tma_store_o && !varlen && o_tma_ok;
   if (args.p.sm90_tma_store_o) {
     // Built on O's real shape (q's): the store clips rows >= seqlen_q and columns >= head_dim.
     auto g_o = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), args.shape_q,
                            make_stride(p.o_row_stride, _1{}, p.o_head_stride, p.o_batch_stride));
-    args.tma_o = make_tma_copy(SM90_TMA_STORE{}, g_o, typename Traits::SmemLayoutO{},
+    args.tma_o = make_tma_copy(SM90_TMA_STORE{}, g_o, typename Traits::SmemLayoutOStage{},
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 

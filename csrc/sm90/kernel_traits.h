@@ -57,14 +57,18 @@ struct FwdTraits {
   // same swizzled atom as Q, so the 64 x kHeadDim box matches the tensor map like Q's does.
   using SmemLayoutO = decltype(tile_to_shape(SmemAtom{}, Shape<_64, Int<kHeadDim>>{}));
 
-  // The epilogue goes through shared memory (a TMA store) only where a separate O buffer fits
-  // beside Q and the K/V rings: d <= 192. At d = 256 Q + K + V take 192 KB and O would need 64 KB
-  // more; reusing Q's buffer would hold back the next tile's Q load until the store has read it,
-  // so d = 256 keeps the register epilogue (docs/kernels-sm90.md).
+  // The epilogue stages O in shared memory for a TMA store. Where a separate O buffer fits beside
+  // Q and the K/V rings (d <= 192) each warpgroup has its own. At d = 256 (Q + K + V take 192 or
+  // 224 KB, O would need 64 KB more) a warpgroup stages its O in its own slab of Q, which is free
+  // after the tile's last S; the slab goes back to the producer for the next tile's Q only once
+  // the store has read it. That holds the next Q load back by the epilogue, but the register
+  // epilogue it replaces took ~13k cycles per tile at d = 256 (docs/perf-notes.md, session 16).
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr int kSmemQKVBytes = (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutKV>) * int(sizeof(Element));
   static constexpr int kSmemOBytes = kConsumerWGs * cosize_v<SmemLayoutO> * int(sizeof(Element));
   static constexpr bool kHasSmemO = kSmemQKVBytes + kSmemOBytes + 1024 <= kSmemLimit;  // + barriers
+  // The shared-memory layout of one warpgroup's staged O tile (the TMA store's box).
+  using SmemLayoutOStage = std::conditional_t<kHasSmemO, SmemLayoutO, SmemLayoutQSlab>;
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;
