@@ -375,7 +375,7 @@ SM90_SWITCH_CASES = [
     (torch.float16, 3, 1000, 1000, 16, 16, 128, dict()),
     (torch.bfloat16, 2, 257, 257, 32, 8, 64, dict(causal=True)),             # GQA, odd seqlen
     (torch.bfloat16, 2, 1000, 1000, 16, 4, 64, dict(window_size=(128, 64))),  # local window
-    (torch.bfloat16, 2, 1000, 257, 8, 1, 256, dict(causal=True)),  # MQA, sq > sk; d = 256: registers
+    (torch.bfloat16, 2, 1000, 257, 8, 1, 256, dict(causal=True)),  # MQA, sq > sk (tiles without keys); d = 256: O in Q's slab
     (torch.bfloat16, 2, 257, 1000, 16, 16, 256, dict()),
     (torch.bfloat16, 3, 300, 300, 16, 16, 96, dict(causal=True)),            # 64-byte swizzle
     (torch.bfloat16, 2, 1000, 1000, 8, 8, 80, dict(causal=True)),  # d = 80 in the 96 kernel

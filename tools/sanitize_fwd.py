@@ -6,15 +6,15 @@
 TILE: alt or base; PINGPONG: 1, tile or "" (the launch's default); without them, all four.
 
 tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CTAs run several
-tiles: the Q slabs, the O tile, the tile ring and the ping-pong turns are reused across tiles),
-on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and both carried and per-tile
-ping-pong (forced on: d = 256 has it off by default without a mask), causal and local (claimed
+tiles: the Q slabs (at d = 256 also O's staging), the O tile, the tile ring and the ping-pong
+turns are reused across tiles), on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and
+both carried and per-tile ping-pong (forced on: d = 256 has it off by default without a mask), causal and local (claimed
 tiles) and not (static stride), each head dim in its default main-loop order (pv_first at
 d = 64, overlap otherwise).
 
 streamk: Hopper calls without a mask with the stream-K tail forced on (FLASH_EXT_SM90_STREAM_K=1):
-one partial wave, whole tiles then the tail, both d = 64 tiles, d = 256 (register epilogue) and one
-tile split over every SM (the pieces' workspace, counters and merge).
+one partial wave, whole tiles then the tail, both d = 64 tiles, d = 256 (O staged in Q's slab) and
+one tile split over every SM (the pieces' workspace, counters and merge).
 """
 import os
 import sys

@@ -6,9 +6,10 @@
 // S = Q K^T (wgmma, both operands in shared memory), the mask and the online softmax in
 // registers, then O += P V (wgmma with P from registers), releasing each stage as soon as the
 // GEMM that read it has completed. setmaxnreg hands the producer's registers to the consumers.
-// Epilogue: O through shared memory and a TMA store (d <= 192, fixed-length batches), else from
-// registers. Tiles: a static walk, or (persistent grid under a causal/local mask) claimed from a
-// global counter by the producer thread and handed to the consumers through shared memory.
+// Epilogue: O through shared memory (its own tile, or at d = 256 the warpgroup's slab of Q) and a
+// TMA store for fixed-length batches, else (varlen) from registers. Tiles: a static walk, or
+// (persistent grid under a causal/local mask) claimed from a global counter by the producer
+// thread and handed to the consumers through shared memory.
 #pragma once
 // wgmma tile widths such as 176 are behind this switch in CuTe; it must precede every CuTe include.
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
