@@ -480,7 +480,7 @@ SM90_STREAM_K_CASES = [
     (torch.bfloat16, 2, 1000, 1000, 4, 4, 64, dict(), dict(FWD_TILE="base")),
     (torch.bfloat16, 1, 1000, 1000, 4, 4, 96, dict(), {}),
     (torch.float16, 1, 1000, 1000, 4, 4, 192, dict(), {}),
-    (torch.bfloat16, 1, 1000, 1000, 6, 6, 256, dict(), dict(FWD_TILE="alt")),  # registers, 128 x 80
+    (torch.bfloat16, 1, 1000, 1000, 6, 6, 256, dict(), dict(FWD_TILE="alt")),  # O in Q's slab, 128 x 80
     (torch.float16, 1, 1000, 999, 6, 6, 256, dict(), dict(FWD_TILE="base")),
 ]
 # (kBlockM, kBlockN) of the Hopper kernel per (head dim, FWD_TILE): sm90/fwd_launch.cuh.

@@ -445,9 +445,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   auto turn_begin = [&]() { if (pingpong) named_barrier_sync(1 + consumer_wg, 256); };
   auto turn_end = [&]() { if (pingpong) named_barrier_arrive(1 + (consumer_wg + 1) % kWGs, 256); };
 
-  // TMA-store epilogue: each warpgroup stages its 64 rows of O in its own shared-memory tile and
-  // its first thread issues the store; named barrier 1 + kWGs + w (after the ping-pong turns)
-  // syncs warpgroup w's 128 threads.
+  // TMA-store epilogue: each warpgroup stages its 64 rows of O in its own shared-memory tile (at
+  // d = 256 its slab of Q) and its first thread issues the store; named barrier 1 + kWGs + w
+  // (after the ping-pong turns) syncs warpgroup w's 128 threads.
   const bool o_store_leader = mma_tid % 128 == 0;
   const int o_barrier = 1 + kWGs + consumer_wg;
   // Named barrier 1 + 2 kWGs + w: warpgroup w's vote on rescaling O (below).

@@ -88,7 +88,9 @@ struct FwdTraits {
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
     uint64_t barrier_q[kConsumerWGs];        // warpgroup w's Q rows loaded (TMA bytes)
-    uint64_t barrier_q_empty[kConsumerWGs];  // warpgroup w's 128 threads done with them
+    // Warpgroup w done with its rows: its 128 threads' arrivals, or where O is staged in the slab
+    // (d = 256) its first thread's, once the O store has read the slab.
+    uint64_t barrier_q_empty[kConsumerWGs];
     // Dynamic tile scheduler: the producer thread hands claimed tile indices to the consumers
     // through this 2-slot ring (full: the producer's arrival; empty: every consumer thread's).
     int tile_slot[2];
