@@ -25,6 +25,8 @@ Variants (environment variables read by flash_api.cpp at each call):
             auto has it off at d = 256 without a mask)
   row0      FLASH_EXT_SM90_ALIGN_END=0 (causal query tiles from row 0, not aligned to end at seqlen_q)
   nosk      FLASH_EXT_SM90_STREAM_K=0 (no mask: the last partial wave's tiles walked whole)
+  pv_mid    FLASH_EXT_SM90_LOOP=pv_mid (d <= 128: the P V wait pinned after the first half of the
+            softmax's exponentials; temporary, session 17)
   sk        FLASH_EXT_SM90_STREAM_K=1 (the stream-K tail wherever it can run, not only where auto
             expects a gain)
 The variants of one row and cuDNN are timed in turns, --rounds times, in the balanced order of
@@ -74,6 +76,7 @@ VARIANTS = {
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
     "nosk": {"FLASH_EXT_SM90_STREAM_K": "0"},
     "sk": {"FLASH_EXT_SM90_STREAM_K": "1"},
+    "pv_mid": {"FLASH_EXT_SM90_LOOP": "pv_mid"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

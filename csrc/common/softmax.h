@@ -76,6 +76,66 @@ struct OnlineSoftmax {
     }
   }
 
+  // update_scores with every row's max before the exponentials and hook(sum) called once the
+  // first kRows / 2 rows' exponentials are done, with the last of their sums (a value that depends
+  // on all of that row's exponentials: the Hopper kernel's kLoopPvMid pins its P V wait there, so
+  // that the wait sits behind those exponentials only, not behind the other rows' max chains).
+  // Kept apart from update_scores, whose code (fused per row) the other kernels were measured with.
+  template <bool kFirstBlock, int kChains, typename TensorS, typename Hook>
+  __device__ __forceinline__ void update_scores_split(TensorS& scores, float scale_log2, float (&correction)[kRows],
+                                                      float slack_log2, Hook const& after_half) {
+    using namespace cute;
+    static_assert(decltype(size<0>(scores))::value == kRows);
+    float m_scaled[kRows];
+    auto update_max = [&](int r) __attribute__((always_inline)) {
+      float mx[kChains];
+      CUTE_UNROLL
+      for (int i = 0; i < kChains; ++i) mx[i] = i == 0 && !kFirstBlock ? row_max[r] : -INFINITY;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) mx[c % kChains] = fmaxf(mx[c % kChains], scores(r, c));
+      CUTE_UNROLL
+      for (int i = 1; i < kChains; ++i) mx[0] = fmaxf(mx[0], mx[i]);
+      float m = quad_max(mx[0]);
+      // Keep the old max while the new one is within the slack (with slack 0: an equal max). The
+      // comparison is false for an old max of -inf.
+      if constexpr (!kFirstBlock) {
+        if ((m - row_max[r]) * scale_log2 <= slack_log2) m = row_max[r];
+      }
+      // A fully masked row so far: subtract 0 instead of -inf so that exp2 gives 0, not NaN.
+      m_scaled[r] = (m == -INFINITY) ? 0.f : m * scale_log2;
+      // Exactly 1 where the max stays: exp2f(row_max * scale_log2 - m_scaled) is not, since the
+      // compiler fuses the first product into an FFMA while m_scaled was rounded (the difference
+      // is that rounding error, and ex2.approx of it is not 1), so every block rescaled O and
+      // lazy rescaling skipped nothing (ncu on the H100: the rescale ran on every key block).
+      correction[r] = kFirstBlock || m == row_max[r] ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled[r]);
+      row_max[r] = m;
+    };
+    auto exponentials = [&](int r) __attribute__((always_inline)) {
+      float sums[kChains];
+      CUTE_UNROLL
+      for (int i = 0; i < kChains; ++i) sums[i] = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        const float x = scores(r, c) * scale_log2 - m_scaled[r];
+        const float p = exp2f(x);
+        scores(r, c) = p;
+        sums[c % kChains] += p;
+      }
+      float sum = sums[0];
+      CUTE_UNROLL
+      for (int i = 1; i < kChains; ++i) sum += sums[i];
+      row_sum[r] = kFirstBlock ? sum : row_sum[r] * correction[r] + sum;
+      return sum;
+    };
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) update_max(r);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = exponentials(r);
+      if (r + 1 == (kRows + 1) / 2) after_half(sum);
+    }
+  }
+
   template <typename TensorO>
   __device__ __forceinline__ void rescale(TensorO& acc_o, const float (&correction)[kRows]) {
     using namespace cute;

@@ -38,7 +38,11 @@ namespace flash_ext::sm90 {
 // GEMMs of a turn are waited for before the softmax, which then runs under the other warpgroups'
 // GEMMs only. A compile-time order: as a runtime value (until session 9) its branches made ptxas
 // copy the 32 registers of P at the loop's back edge, on each warpgroup's critical chain.
-constexpr int kLoopOverlap = 0, kLoopPvFirst = 1;
+// kLoopPvMid: the softmax of block j starts once S is done, and the wait for P V of block j + 1
+// sits after the exponentials of the first half of the rows (pinned there by a branch on their
+// sum that ptxas cannot hoist); O is rescaled after it without a warpgroup vote (FlashAttention-4
+// places this wait there by its schedule).
+constexpr int kLoopOverlap = 0, kLoopPvFirst = 1, kLoopPvMid = 2;
 
 using namespace cute;
 
@@ -506,11 +510,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_rs_a(rP.layout()));
       float correction[kRows];
 
-      auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first) __attribute__((always_inline)) {
+      auto scores_to_probs = [&](auto& acc_s, int n_block, auto is_first, auto const&... hook) __attribute__((always_inline)) {
         if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
         Tensor scores = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
         if (mask.needs_mask_rows(row0, n_block)) mask.apply_rows(scores, cS_rows, row0, n_block);
-        softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
+        if constexpr (sizeof...(hook) == 0) {
+          softmax.template update_scores<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2);
+        } else {
+          softmax.template update_scores_split<decltype(is_first)::value, 4>(scores, scale_log2, correction, rescale_slack_log2, hook...);
+        }
       };
 
       int n_block = n_max - 1;
@@ -548,6 +556,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           ++read_v;
           release_q_after(n_block);
           scores_to_probs(acc_s, n_block, cute::false_type{});
+          if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
+          convert_into(rP, acc_s);
+          continue;
+        }
+        if constexpr (kLoop == kLoopPvMid) {
+          warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
+          warpgroup_fence_operand(acc_s);
+          pipeline_k.consumer_release(read_k);
+          ++read_k;
+          release_q_after(n_block);
+          // The sum of a row's exponentials is never the NaN pattern 0xffffffff (ex2 gives the
+          // canonical NaN), so every thread takes this wait; ptxas cannot move it above them.
+          scores_to_probs(acc_s, n_block, cute::false_type{}, [&](float sum) __attribute__((always_inline)) {
+            if (__float_as_uint(sum) != 0xffffffffu) warpgroup_wait<0>();
+          });
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_o);
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
           if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
           convert_into(rP, acc_s);
           continue;
