@@ -27,6 +27,9 @@ Variants (environment variables read by flash_api.cpp at each call):
   nosk      FLASH_EXT_SM90_STREAM_K=0 (no mask: the last partial wave's tiles walked whole)
   pv_mid    FLASH_EXT_SM90_LOOP=pv_mid (d <= 128: the P V wait pinned after the first half of the
             softmax's exponentials; temporary, session 17)
+  pv_first_pack  FLASH_EXT_SM90_LOOP=pv_first_pack (d <= 128: pv_first with P packed before the
+            rescale's branch; temporary, session 17)
+  pv_first  FLASH_EXT_SM90_LOOP=pv_first (d <= 128; at d = 64 the default)
   sk        FLASH_EXT_SM90_STREAM_K=1 (the stream-K tail wherever it can run, not only where auto
             expects a gain)
 The variants of one row and cuDNN are timed in turns, --rounds times, in the balanced order of
@@ -77,6 +80,8 @@ VARIANTS = {
     "nosk": {"FLASH_EXT_SM90_STREAM_K": "0"},
     "sk": {"FLASH_EXT_SM90_STREAM_K": "1"},
     "pv_mid": {"FLASH_EXT_SM90_LOOP": "pv_mid"},
+    "pv_first_pack": {"FLASH_EXT_SM90_LOOP": "pv_first_pack"},
+    "pv_first": {"FLASH_EXT_SM90_LOOP": "pv_first"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

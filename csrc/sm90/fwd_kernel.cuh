@@ -41,8 +41,10 @@ namespace flash_ext::sm90 {
 // kLoopPvMid: the softmax of block j starts once S is done, and the wait for P V of block j + 1
 // sits after the exponentials of the first half of the rows (pinned there by a branch on their
 // sum that ptxas cannot hoist); O is rescaled after it without a warpgroup vote (FlashAttention-4
-// places this wait there by its schedule).
-constexpr int kLoopOverlap = 0, kLoopPvFirst = 1, kLoopPvMid = 2;
+// places this wait there by its schedule). kLoopPvFirstPack: kLoopPvFirst with P packed to 16 bits
+// before the rescale's branch, so that ptxas can pack it as the exponentials come instead of
+// after the branch, at the end of the softmax (A/B, session 17).
+constexpr int kLoopOverlap = 0, kLoopPvFirst = 1, kLoopPvMid = 2, kLoopPvFirstPack = 3;
 
 using namespace cute;
 
@@ -545,7 +547,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
         warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
         turn_end();
-        if constexpr (kLoop == kLoopPvFirst) {
+        if constexpr (kLoop == kLoopPvFirst || kLoop == kLoopPvFirstPack) {
           // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_s);
@@ -556,8 +558,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           ++read_v;
           release_q_after(n_block);
           scores_to_probs(acc_s, n_block, cute::false_type{});
+          if constexpr (kLoop == kLoopPvFirstPack) convert_into(rP, acc_s);
           if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
-          convert_into(rP, acc_s);
+          if constexpr (kLoop == kLoopPvFirst) convert_into(rP, acc_s);
           continue;
         }
         if constexpr (kLoop == kLoopPvMid) {
@@ -568,15 +571,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           release_q_after(n_block);
           // The sum of a row's exponentials is never the NaN pattern 0xffffffff (ex2 gives the
           // canonical NaN), so every thread takes this wait; ptxas cannot move it above them.
+          // The unconditional wait right after it keeps ptxas from sinking the wait below the
+          // second row, so that P can be packed while that row's exponentials run.
           scores_to_probs(acc_s, n_block, cute::false_type{}, [&](float sum) __attribute__((always_inline)) {
             if (__float_as_uint(sum) != 0xffffffffu) warpgroup_wait<0>();
+            warpgroup_wait<0>();
           });
-          warpgroup_wait<0>();
           warpgroup_fence_operand(acc_o);
           pipeline_v.consumer_release(read_v);
           ++read_v;
+          convert_into(rP, acc_s);  // before the rescale's branch: packed as the exponentials come
           if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
-          convert_into(rP, acc_s);
           continue;
         }
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight

@@ -58,9 +58,13 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   }
 
   auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
-  // A/B (temporary, session 17): FLASH_EXT_SM90_LOOP=pv_mid at d <= 128.
+  // A/B (temporary, session 17): FLASH_EXT_SM90_LOOP=pv_mid|pv_first_pack|pv_first at d <= 128.
   if constexpr (Traits::kHeadDim <= 128) {
-    if (p.sm90_loop_pv_mid) kernel = &fwd_kernel<Traits, kHasWindow, kLoopPvMid>;
+    if (p.sm90_loop == kLoopPvMid) kernel = &fwd_kernel<Traits, kHasWindow, kLoopPvMid>;
+    if (p.sm90_loop == kLoopPvFirstPack) kernel = &fwd_kernel<Traits, kHasWindow, kLoopPvFirstPack>;
+    if constexpr (Traits::kHeadDim > 64) {
+      if (p.sm90_loop == kLoopPvFirst) kernel = &fwd_kernel<Traits, kHasWindow, kLoopPvFirst>;
+    }
   }
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
