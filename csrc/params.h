@@ -73,10 +73,6 @@ struct FwdParams {
   // Hopper kernel: lazy rescaling of the output (common/softmax.h). On by default;
   // FLASH_EXT_SM90_LAZY_RESCALE=0 rescales whenever a row's max grows (for measurements).
   bool sm90_lazy_rescale;
-  // Hopper kernel main-loop order for A/B runs (temporary): -1 auto, else a kLoop* of
-  // sm90/fwd_kernel.cuh (FLASH_EXT_SM90_LOOP=pv_mid|pv_first_pack|pv_first, d <= 128); one byte in
-  // the padding after the bool above, so that the other fields keep their offsets.
-  int8_t sm90_loop;
   // Hopper kernel under causal/local masks: longest-first tile order within sections of heads
   // whose K/V fit in half the L2 (sm90/fwd_kernel.cuh TileScheduler). 1 (default): where the
   // plain order would need much HBM bandwidth (sm90/fwd_launch.cuh); 2

@@ -25,11 +25,6 @@ Variants (environment variables read by flash_api.cpp at each call):
             auto has it off at d = 256 without a mask)
   row0      FLASH_EXT_SM90_ALIGN_END=0 (causal query tiles from row 0, not aligned to end at seqlen_q)
   nosk      FLASH_EXT_SM90_STREAM_K=0 (no mask: the last partial wave's tiles walked whole)
-  pv_mid    FLASH_EXT_SM90_LOOP=pv_mid (d <= 128: the P V wait pinned after the first half of the
-            softmax's exponentials; temporary, session 17)
-  pv_first_pack  FLASH_EXT_SM90_LOOP=pv_first_pack (d <= 128: pv_first with P packed before the
-            rescale's branch; temporary, session 17)
-  pv_first  FLASH_EXT_SM90_LOOP=pv_first (d <= 128; at d = 64 the default)
   sk        FLASH_EXT_SM90_STREAM_K=1 (the stream-K tail wherever it can run, not only where auto
             expects a gain)
 The variants of one row and cuDNN are timed in turns, --rounds times, in the balanced order of
@@ -79,9 +74,6 @@ VARIANTS = {
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
     "nosk": {"FLASH_EXT_SM90_STREAM_K": "0"},
     "sk": {"FLASH_EXT_SM90_STREAM_K": "1"},
-    "pv_mid": {"FLASH_EXT_SM90_LOOP": "pv_mid"},
-    "pv_first_pack": {"FLASH_EXT_SM90_LOOP": "pv_first_pack"},
-    "pv_first": {"FLASH_EXT_SM90_LOOP": "pv_first"},
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

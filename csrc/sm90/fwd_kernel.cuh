@@ -32,19 +32,17 @@
 namespace flash_ext::sm90 {
 
 // Main-loop orders of the consumers (a template parameter of the kernel, fixed per head dim by the
-// launch: sm90/fwd_launch.cuh kLoopFor; docs/kernels-sm90.md). kLoopOverlap: the softmax of block
-// j runs under this warpgroup's own P V GEMM of block j + 1, and O is rescaled in a branch on a
-// warpgroup vote (bar.red) that also holds the wait for P V below the softmax. kLoopPvFirst: both
-// GEMMs of a turn are waited for before the softmax, which then runs under the other warpgroups'
-// GEMMs only. A compile-time order: as a runtime value (until session 9) its branches made ptxas
-// copy the 32 registers of P at the loop's back edge, on each warpgroup's critical chain.
-// kLoopPvMid: the softmax of block j starts once S is done, and the wait for P V of block j + 1
-// sits after the exponentials of the first half of the rows (pinned there by a branch on their
-// sum that ptxas cannot hoist); O is rescaled after it without a warpgroup vote (FlashAttention-4
-// places this wait there by its schedule). kLoopPvFirstPack: kLoopPvFirst with P packed to 16 bits
-// before the rescale's branch, so that ptxas can pack it as the exponentials come instead of
-// after the branch, at the end of the softmax (A/B, session 17).
-constexpr int kLoopOverlap = 0, kLoopPvFirst = 1, kLoopPvMid = 2, kLoopPvFirstPack = 3;
+// launch: sm90/fwd_launch.cuh kLoopFor; docs/kernels-sm90.md). Both issue S of block j and P V of
+// block j + 1 in one turn, wait for S only, and run the softmax of block j while P V runs.
+// kLoopOverlap: the wait for P V and the rescale of O sit in a branch on a warpgroup vote
+// (bar.red) after the whole softmax, which keeps ptxas from hoisting the wait above it.
+// kLoopPvMid: the wait for P V is pinned after the exponentials of the first half of the rows
+// (FlashAttention-4's sm90 kernel has it there by its schedule), O is rescaled after the
+// softmax on a per-warp vote, and P is packed to 16 bits while the second half's exponentials run.
+// A compile-time order: as a runtime value (until session 9) its branches made ptxas copy the 32
+// registers of P at the loop's back edge, on each warpgroup's critical chain. (kLoopPvFirst, which
+// waited for both GEMMs before the softmax, ran d = 64 from session 6 to 16.)
+constexpr int kLoopOverlap = 0, kLoopPvMid = 1;
 
 using namespace cute;
 
@@ -547,32 +545,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
         warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
         turn_end();
-        if constexpr (kLoop == kLoopPvFirst || kLoop == kLoopPvFirstPack) {
-          // No wgmma wait follows the softmax here, so the rescale needs no warpgroup vote.
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_s);
-          warpgroup_fence_operand(acc_o);
-          pipeline_k.consumer_release(read_k);
-          ++read_k;
-          pipeline_v.consumer_release(read_v);
-          ++read_v;
-          release_q_after(n_block);
-          scores_to_probs(acc_s, n_block, cute::false_type{});
-          if constexpr (kLoop == kLoopPvFirstPack) convert_into(rP, acc_s);
-          if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
-          if constexpr (kLoop == kLoopPvFirst) convert_into(rP, acc_s);
-          continue;
-        }
         if constexpr (kLoop == kLoopPvMid) {
           warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
           warpgroup_fence_operand(acc_s);
           pipeline_k.consumer_release(read_k);
           ++read_k;
           release_q_after(n_block);
-          // The sum of a row's exponentials is never the NaN pattern 0xffffffff (ex2 gives the
-          // canonical NaN), so every thread takes this wait; ptxas cannot move it above them.
-          // The unconditional wait right after it keeps ptxas from sinking the wait below the
-          // second row, so that P can be packed while that row's exponentials run.
+          // The P V wait, after the first half of the rows' exponentials: a branch on their sum
+          // keeps ptxas from hoisting it above them (a plain wait went above the whole softmax,
+          // session 10), and the sum is never the NaN pattern 0xffffffff (ex2 and FADD give the
+          // canonical NaN), so every thread of the warpgroup takes it. The unconditional wait
+          // after it keeps ptxas from sinking the wait below the second half, so that P can be
+          // packed while those exponentials run (docs/perf-notes.md session 17).
           scores_to_probs(acc_s, n_block, cute::false_type{}, [&](float sum) __attribute__((always_inline)) {
             if (__float_as_uint(sum) != 0xffffffffu) warpgroup_wait<0>();
             warpgroup_wait<0>();
@@ -580,7 +564,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           warpgroup_fence_operand(acc_o);
           pipeline_v.consumer_release(read_v);
           ++read_v;
-          convert_into(rP, acc_s);  // before the rescale's branch: packed as the exponentials come
+          // P before the rescale's branch, so that ptxas packs it as the exponentials come (after
+          // the branch it packed all 32 registers at the end of the softmax, on the critical path).
+          // The rescale holds no wgmma wait, so a per-warp vote suffices.
+          convert_into(rP, acc_s);
           if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
           continue;
         }

@@ -14,11 +14,11 @@ namespace flash_ext {
 namespace sm90 {
 
 // Main-loop order per head dim (fwd_kernel.cuh kLoop*; one kernel each, measured on an H100,
-// docs/perf-notes.md sessions 6 and 9): d <= 64 waits for both GEMMs before the softmax (+7-15%
-// without a mask, +1-6% causal: its tiles have the most softmax per GEMM); the others keep the
-// softmax under their own P V GEMM.
+// docs/perf-notes.md sessions 6, 9 and 17): d = 64 and 128 pin the P V wait in the middle of the
+// softmax (against the earlier orders, +0-3% at d = 64 and +3-6% at d = 128); the others keep it
+// behind the whole softmax (d = 96, 192 and 256 were not measured with the new order).
 template <int kHeadDim>
-constexpr int kLoopFor = kHeadDim <= 64 ? kLoopPvFirst : kLoopOverlap;
+constexpr int kLoopFor = kHeadDim <= 64 || kHeadDim == 128 ? kLoopPvMid : kLoopOverlap;
 
 template <typename Traits, bool kHasWindow>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
@@ -58,14 +58,6 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   }
 
   auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
-  // A/B (temporary, session 17): FLASH_EXT_SM90_LOOP=pv_mid|pv_first_pack|pv_first at d <= 128.
-  if constexpr (Traits::kHeadDim <= 128) {
-    if (p.sm90_loop == kLoopPvMid) kernel = &fwd_kernel<Traits, kHasWindow, kLoopPvMid>;
-    if (p.sm90_loop == kLoopPvFirstPack) kernel = &fwd_kernel<Traits, kHasWindow, kLoopPvFirstPack>;
-    if constexpr (Traits::kHeadDim > 64) {
-      if (p.sm90_loop == kLoopPvFirst) kernel = &fwd_kernel<Traits, kHasWindow, kLoopPvFirst>;
-    }
-  }
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
