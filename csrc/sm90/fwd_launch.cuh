@@ -58,6 +58,10 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   }
 
   auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
+  // A/B (temporary, session 17): FLASH_EXT_SM90_LOOP=pv_mid at d = 96, 192, 256.
+  if constexpr (kLoopFor<Traits::kHeadDim> == kLoopOverlap) {
+    if (p.sm90_loop_pv_mid) kernel = &fwd_kernel<Traits, kHasWindow, kLoopPvMid>;
+  }
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
