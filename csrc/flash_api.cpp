@@ -260,7 +260,6 @@ at::Tensor prepare_fwd(FwdParams& p, const at::Tensor& q, const at::Tensor& k, c
   const std::string fwd_tile = env_choice("FLASH_EXT_SM90_FWD_TILE", {"auto", "base", "alt"});
   p.sm90_fwd_tile = fwd_tile == "base" ? 0 : fwd_tile == "alt" ? 1 : -1;
   p.sm90_lazy_rescale = env_choice("FLASH_EXT_SM90_LAZY_RESCALE", {"0", "1"}) != "0";
-  p.sm90_loop_pv_mid = env_choice("FLASH_EXT_SM90_LOOP", {"auto", "pv_mid"}) == "pv_mid";
   const std::string sections = env_choice("FLASH_EXT_SM90_HEAD_SECTIONS", {"0", "1", "always", "uneven"});
   p.sm90_head_sections = sections == "0" ? 0 : sections == "always" ? 2 : sections == "uneven" ? 3 : 1;
   p.sm90_section_hb = p.sm90_section_big = p.sm90_section_big_hb = 0;  // set by the Hopper launch

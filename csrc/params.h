@@ -73,9 +73,6 @@ struct FwdParams {
   // Hopper kernel: lazy rescaling of the output (common/softmax.h). On by default;
   // FLASH_EXT_SM90_LAZY_RESCALE=0 rescales whenever a row's max grows (for measurements).
   bool sm90_lazy_rescale;
-  // Temporary A/B (session 17): FLASH_EXT_SM90_LOOP=pv_mid at d = 96, 192, 256 (a bool in the
-  // padding after the one above, so that the other fields keep their offsets).
-  bool sm90_loop_pv_mid;
   // Hopper kernel under causal/local masks: longest-first tile order within sections of heads
   // whose K/V fit in half the L2 (sm90/fwd_kernel.cuh TileScheduler). 1 (default): where the
   // plain order would need much HBM bandwidth (sm90/fwd_launch.cuh); 2

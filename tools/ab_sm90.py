@@ -74,7 +74,6 @@ VARIANTS = {
     "row0": {"FLASH_EXT_SM90_ALIGN_END": "0"},
     "nosk": {"FLASH_EXT_SM90_STREAM_K": "0"},
     "sk": {"FLASH_EXT_SM90_STREAM_K": "1"},
-    "pv_mid": {"FLASH_EXT_SM90_LOOP": "pv_mid"},  # temporary (session 17): d = 96, 192, 256
 }
 MASK_KW = {"full": {}, "causal": {"causal": True}, "local": {"window_size": (512, 0)}}
 

@@ -14,11 +14,11 @@ namespace flash_ext {
 namespace sm90 {
 
 // Main-loop order per head dim (fwd_kernel.cuh kLoop*; one kernel each, measured on an H100,
-// docs/perf-notes.md sessions 6, 9 and 17): d = 64 and 128 pin the P V wait in the middle of the
-// softmax (against the earlier orders, +0-3% at d = 64 and +3-6% at d = 128); the others keep it
-// behind the whole softmax (d = 96, 192 and 256 were not measured with the new order).
+// docs/perf-notes.md sessions 6, 9 and 17): up to d = 192 the P V wait is pinned in the middle of
+// the softmax (against the earlier orders, +0-3% at d = 64, +2-7% at d = 96, 128 and 192); d = 256
+// keeps it behind the whole softmax (pv_mid read -3.5 to +6%, within this bench's noise).
 template <int kHeadDim>
-constexpr int kLoopFor = kHeadDim <= 64 || kHeadDim == 128 ? kLoopPvMid : kLoopOverlap;
+constexpr int kLoopFor = kHeadDim <= 192 ? kLoopPvMid : kLoopOverlap;
 
 template <typename Traits, bool kHasWindow>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
@@ -58,10 +58,6 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   }
 
   auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
-  // A/B (temporary, session 17): FLASH_EXT_SM90_LOOP=pv_mid at d = 96, 192, 256.
-  if constexpr (kLoopFor<Traits::kHeadDim> == kLoopOverlap) {
-    if (p.sm90_loop_pv_mid) kernel = &fwd_kernel<Traits, kHasWindow, kLoopPvMid>;
-  }
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
