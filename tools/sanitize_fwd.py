@@ -9,8 +9,8 @@ tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CT
 tiles: the Q slabs (at d = 256 also O's staging), the O tile, the tile ring and the ping-pong
 turns are reused across tiles), on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and
 both carried and per-tile ping-pong (forced on: d = 256 has it off by default without a mask), causal and local (claimed
-tiles) and not (static stride), each head dim in its default main-loop order (pv_first at
-d = 64, overlap otherwise).
+tiles) and not (static stride), each head dim in its default main-loop order (pv_mid up to
+d = 192, overlap at d = 256).
 
 streamk: Hopper calls without a mask with the stream-K tail forced on (FLASH_EXT_SM90_STREAM_K=1):
 one partial wave, whole tiles then the tail, both d = 64 tiles, d = 256 (O staged in Q's slab) and
