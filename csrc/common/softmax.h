@@ -76,11 +76,13 @@ struct OnlineSoftmax {
     }
   }
 
-  // update_scores with every row's max before the exponentials and hook(sum) called once the
-  // first kRows / 2 rows' exponentials are done, with the last of their sums (a value that depends
-  // on all of that row's exponentials: the Hopper kernel's kLoopPvMid pins its P V wait there, so
-  // that the wait sits behind those exponentials only, not behind the other rows' max chains).
-  // Kept apart from update_scores, whose code (fused per row) the other kernels were measured with.
+  // update_scores with every row's max before the exponentials and hook(sum) called once, after
+  // the exponentials of the first half of the rows (rounded up), with the last of their sums (a
+  // value that depends on all of that row's exponentials: the Hopper kernel's kLoopPvMid pins its
+  // P V wait there, so that the wait sits behind those exponentials only, not behind the other
+  // rows' max chains). Keep the math in sync with update_scores. The two share no helpers because
+  // per-row helpers, which left update_scores' SASS as it was, moved the register allocation of
+  // the unmasked kLoopPvMid kernels (session 17), whose measured SASS this keeps.
   template <bool kFirstBlock, int kChains, typename TensorS, typename Hook>
   __device__ __forceinline__ void update_scores_split(TensorS& scores, float scale_log2, float (&correction)[kRows],
                                                       float slack_log2, Hook const& after_half) {

@@ -454,7 +454,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // (after the ping-pong turns) syncs warpgroup w's 128 threads.
   const bool o_store_leader = mma_tid % 128 == 0;
   const int o_barrier = 1 + kWGs + consumer_wg;
-  // Named barrier 1 + 2 kWGs + w: warpgroup w's vote on rescaling O (below).
+  // Named barrier 1 + 2 kWGs + w: warpgroup w's vote on rescaling O (below; kLoopOverlap only).
   const int rescale_barrier = 1 + 2 * kWGs + consumer_wg;
   bool o_store_pending = false;  // this warpgroup's previous store may still read its tile
 
@@ -553,8 +553,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           release_q_after(n_block);
           // The P V wait, after the first half of the rows' exponentials: a branch on their sum
           // keeps ptxas from hoisting it above them (a plain wait went above the whole softmax,
-          // session 10), and the sum is never the NaN pattern 0xffffffff (ex2 and FADD give the
-          // canonical NaN), so every thread of the warpgroup takes it. The unconditional wait
+          // session 10), and the sum is never the pattern 0xffffffff (a NaN result of an
+          // operation is the canonical 0x7fffffff: CUDA C++ Programming Guide, floating-point
+          // appendix), so every thread of the warpgroup takes it: the wait is .sync.aligned. The unconditional wait
           // after it keeps ptxas from sinking the wait below the second half, so that P can be
           // packed while those exponentials run (docs/perf-notes.md session 17).
           scores_to_probs(acc_s, n_block, cute::false_type{}, [&](float sum) __attribute__((always_inline)) {
