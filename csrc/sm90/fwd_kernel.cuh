@@ -545,19 +545,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
         warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
         turn_end();
+        warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
+        warpgroup_fence_operand(acc_s);
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        release_q_after(n_block);
         if constexpr (kLoop == kLoopPvMid) {
-          warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
-          warpgroup_fence_operand(acc_s);
-          pipeline_k.consumer_release(read_k);
-          ++read_k;
-          release_q_after(n_block);
           // The P V wait, after the first half of the rows' exponentials: a branch on their sum
           // keeps ptxas from hoisting it above them (a plain wait went above the whole softmax,
           // session 10), and the sum is never the pattern 0xffffffff (a NaN result of an
           // operation is the canonical 0x7fffffff: CUDA C++ Programming Guide, floating-point
-          // appendix), so every thread of the warpgroup takes it: the wait is .sync.aligned. The unconditional wait
-          // after it keeps ptxas from sinking the wait below the second half, so that P can be
-          // packed while those exponentials run (docs/perf-notes.md session 17).
+          // appendix), so every thread of the warpgroup takes it: the wait is .sync.aligned.
+          // The unconditional wait after it keeps ptxas from sinking the wait below the second
+          // half, so that P can be packed while those exponentials run (docs/perf-notes.md
+          // session 17).
           scores_to_probs(acc_s, n_block, cute::false_type{}, [&](float sum) __attribute__((always_inline)) {
             if (__float_as_uint(sum) != 0xffffffffu) warpgroup_wait<0>();
             warpgroup_wait<0>();
@@ -572,11 +573,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           if (__any_sync(0xffffffffu, softmax.needs_rescale(correction))) softmax.rescale(o_rows, correction);
           continue;
         }
-        warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
-        warpgroup_fence_operand(acc_s);
-        pipeline_k.consumer_release(read_k);
-        ++read_k;
-        release_q_after(n_block);
         scores_to_probs(acc_s, n_block, cute::false_type{});
         // The wait for P V comes after the softmax in the source, but ptxas, which sees no
         // dependency between them, hoisted it above the softmax (SASS: WARPGROUP.DEPBAR right
