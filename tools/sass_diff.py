@@ -1,0 +1,212 @@
+"""Compare the SASS of the kernels between two versions of the sources (refactors must leave it
+byte-identical, or say where and why not).
+
+  python tools/sass_diff.py dump OUTDIR [--rev REV] [--arch 90a] FILE...
+      compile csrc/instantiations/FILE.cu (e.g. fwd_sm90_hdim128_bf16) with setup.py's kernel
+      flags (no torch needed) and write OUTDIR/<function>.sass per kernel; --rev REV compiles
+      that git revision's tree (a temporary worktree) instead of the working tree
+  python tools/sass_diff.py so OUTDIR LIB.so|SASS.txt[.gz]
+      the same split from a built extension (cuobjdump --dump-sass) or a saved dump of one
+  python tools/sass_diff.py compare DIR_A DIR_B
+      per kernel: identical bytes, identical up to kernel-parameter offsets (c[0x0][...]: the
+      params struct's layout moved), or different (the first differing lines are shown)
+
+Needs nvcc (CUDA_HOME) and cuobjdump/nvdisasm (the toolkit's, or `pip install
+nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`), and CUTLASS headers as setup.py finds them.
+Exit status of compare: 0 all identical (bytes or up to parameter offsets), 1 otherwise.
+"""
+
+import argparse
+import gzip
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+NVCC_FLAGS = [
+    "-O3", "-std=c++17", "-DNDEBUG", "--use_fast_math", "--expt-relaxed-constexpr",
+    "--expt-extended-lambda", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+]
+
+
+def _tool(name):
+    exe = shutil.which(name)
+    if exe:
+        return exe
+    cands = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", name)]
+    cands += [os.path.join(p, "nvidia", "cu13", "bin", name) for p in sys.path]
+    for c in cands:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    sys.exit(f"sass_diff: {name} not found (CUDA toolkit, or pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+
+
+def _cutlass_include():
+    for var in ("CUTLASS_PATH",):
+        if os.environ.get(var):
+            return [os.path.join(os.environ[var], "include")]
+    tp = ROOT / "third_party" / "cutlass" / "include"
+    if tp.is_dir():
+        return [str(tp)]
+    import importlib.util
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec and spec.submodule_search_locations:
+        inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
+        if inc.is_dir():
+            return [str(inc)]
+    sys.exit("sass_diff: CUTLASS headers not found (CUTLASS_PATH, third_party/cutlass, nvidia-cutlass)")
+
+
+def _split(sass_text):
+    """{function name: SASS lines} from cuobjdump --dump-sass output."""
+    funcs, name, lines, arch = {}, None, [], ""
+    for line in sass_text.splitlines():
+        a = re.match(r"\s*arch = (sm_\w+)", line)
+        if a:
+            arch = a.group(1)
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            if name:
+                funcs[name] = lines
+            name, lines = m.group(1) + "." + arch, []
+        elif name and line.strip() and not line.strip().startswith(("....", "-----", "Fatbin", "code for", "arch =", "host =", "compile_size", "identifier")):
+            lines.append(line.rstrip())
+    if name:
+        funcs[name] = lines
+    return funcs
+
+
+def _cuobjdump(path):
+    exe = _tool("cuobjdump")
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(_tool("nvdisasm")) + os.pathsep + env.get("PATH", "")
+    return subprocess.run([exe, "--dump-sass", str(path)], capture_output=True, text=True, env=env,
+                          check=True).stdout
+
+
+def _write(outdir, funcs, arch_tag=""):
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, lines in funcs.items():
+        fname = (name[:180] + arch_tag) if len(name) > 180 else name + arch_tag
+        (out / f"{fname}.sass").write_text("\n".join(lines) + "\n")
+    return len(funcs)
+
+
+def cmd_dump(args):
+    src_root = ROOT
+    tmp = None
+    if args.rev:
+        tmp = tempfile.mkdtemp(prefix="sass_rev_")
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", tmp, args.rev], check=True,
+                       capture_output=True)
+        src_root = Path(tmp)
+    try:
+        nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+        arch = args.arch
+        gencode = [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+        for f in args.files:
+            name = f if f.endswith(".cu") else f + ".cu"
+            src = src_root / "csrc" / "instantiations" / name
+            if not src.is_file():
+                src = src_root / name
+            with tempfile.TemporaryDirectory() as td:
+                obj = os.path.join(td, "k.o")
+                cmd = [nvcc, *NVCC_FLAGS, *gencode, "-I", str(src_root / "csrc"),
+                       *sum((["-I", i] for i in _cutlass_include()), []), "-c", str(src), "-o", obj]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    sys.exit(f"sass_diff: compiling {src} failed:\n{r.stderr[-4000:]}")
+                n = _write(args.outdir, _split(_cuobjdump(obj)))
+                print(f"{name}: {n} kernels", flush=True)
+    finally:
+        if tmp:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tmp], capture_output=True)
+
+
+def cmd_so(args):
+    p = Path(args.input)
+    if p.suffix == ".so" or p.suffix == ".o":
+        text = _cuobjdump(p)
+    elif p.suffix == ".gz":
+        text = gzip.open(p, "rt").read()
+    else:
+        text = p.read_text()
+    print(f"{_write(args.outdir, _split(text))} kernels")
+
+
+_PARAM = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
+_ENC = re.compile(r"/\* 0x[0-9a-f]+ \*/")
+
+
+def cmd_compare(args):
+    a, b = Path(args.a), Path(args.b)
+    fa = {p.name for p in a.glob("*.sass")}
+    fb = {p.name for p in b.glob("*.sass")}
+    same = offsets = differ = 0
+    for name in sorted(fa | fb):
+        if name not in fa or name not in fb:
+            print(f"ONLY IN {'A' if name in fa else 'B'}: {name}")
+            differ += 1
+            continue
+        la = (a / name).read_text().splitlines()
+        lb = (b / name).read_text().splitlines()
+        if la == lb:
+            same += 1
+            continue
+        # Up to the kernel parameters' offsets: drop the encodings (they hold the offsets) and
+        # the offsets themselves.
+        na = [_PARAM.sub("c[0x0][P]", _ENC.sub("", x)) for x in la]
+        nb = [_PARAM.sub("c[0x0][P]", _ENC.sub("", x)) for x in lb]
+        if na == nb:
+            offsets += 1
+            if args.verbose:
+                print(f"PARAM OFFSETS ONLY: {name}")
+            continue
+        differ += 1
+        print(f"DIFFERENT: {name} ({len(la)} vs {len(lb)} lines)")
+        shown = 0
+        for i, (x, y) in enumerate(zip(na, nb)):
+            if x != y:
+                print(f"   A {x.strip()}\n   B {y.strip()}")
+                shown += 1
+                if shown >= 3:
+                    break
+    print(f"{same} identical, {offsets} identical up to kernel-parameter offsets, {differ} different")
+    return 0 if differ == 0 else 1
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump")
+    d.add_argument("outdir")
+    d.add_argument("--rev")
+    d.add_argument("--arch", default="90a")
+    d.add_argument("files", nargs="+")
+    s = sub.add_parser("so")
+    s.add_argument("outdir")
+    s.add_argument("input")
+    c = sub.add_parser("compare")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args()
+    if args.cmd == "dump":
+        cmd_dump(args)
+    elif args.cmd == "so":
+        cmd_so(args)
+    else:
+        sys.exit(cmd_compare(args))
+
+
+if __name__ == "__main__":
+    main()
