@@ -7,8 +7,8 @@ backend timed just before it, median ms) and prints, for each backend and each n
 median over configs of (its time after that neighbour) / (its median time in that config), and
 how many turns that is. A value below 1 means faster after that neighbour. With the balanced
 order every backend follows every other about equally often, so the table separates the
-neighbour's effect from the backend's own speed; with the rotated order of older grids most
-cells are empty (each backend mostly followed one neighbour). The first turn of a config
+neighbour's effect from the backend's own speed; with the rotated order (`--order rotated`) most
+cells are empty (each backend mostly follows one neighbour). The first turn of a config
 ("after" = none) follows the previous config's last turn.
 """
 from __future__ import annotations
@@ -66,7 +66,8 @@ def main(argv=None) -> int:
             rows += json.load(f).get("rows", [])
     table = carryover_table(rows)
     if not table:
-        print("no samples in these files (grids written before the bench kept them)", file=sys.stderr)
+        print("no per-turn samples in these files (flash_ext.bench keeps them in each row's `samples`)",
+              file=sys.stderr)
         return 1
     print("time after a neighbour / the backend's median in the config (median over turns; turns)")
     print(format_carryover(table, args.min_n))

@@ -29,8 +29,8 @@ dt = torch.bfloat16
 if len(sys.argv) > 2 and sys.argv[2] == "tiles":
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # argv[4] / argv[5] narrow the run to one tile and one ping-pong mode ("" = the default
-    # mode): racecheck at d = 256 did not finish all four combinations within a device call
-    # (session 8: 128 x 64 with per-tile ping-pong alone ran past 411 s).
+    # mode): racecheck at d = 256 does not finish all four combinations within a device call
+    # (on an H100, 128 x 64 with per-tile ping-pong alone took over 411 s).
     tiles = [sys.argv[4]] if len(sys.argv) > 4 else ["alt", "base"]
     pingpongs = [sys.argv[5]] if len(sys.argv) > 5 else ["1", "tile"]
     for tile in tiles:
