@@ -62,11 +62,11 @@ def make_extension() -> CUDAExtension:
     if missing:
         fail("missing generated sources (run `python tools/gen_instantiations.py`): " + ", ".join(missing))
     # The torch-facing layer and the host code it calls (no kernels): csrc/ops_*.cpp register the
-    # ops; api/ checks and fills params; dispatch/, heuristics and tuning/ choose what runs.
+    # ops; api/ checks and fills params; dispatch/ and tuning/ choose what runs and how.
     host_sources = [ROOT / "csrc" / name for name in (
         "ops_library.cpp", "ops_fwd.cpp", "ops_bwd.cpp", "ops_dropout.cpp",
         "api/checks.cpp", "api/errors.cpp", "api/params_fill.cpp", "api/workspace.cpp",
-        "dispatch/paths.cpp", "heuristics.cpp", "device_info.cpp", "tuning/overrides.cpp",
+        "dispatch/paths.cpp", "tuning/heuristics.cpp", "tuning/overrides.cpp", "device_info.cpp",
         "dropout_mask.cu",  # the flash_ext::dropout_mask kernel
     )]
     for f in host_sources:

@@ -18,7 +18,7 @@
 #include "device_info.h"
 #include "dispatch/bwd_dispatch.h"
 #include "dispatch/paths.h"
-#include "heuristics.h"
+#include "tuning/heuristics.h"
 #include "params.h"
 #include "tuning/overrides.h"
 

@@ -1,6 +1,6 @@
 // The forward ops: flash_ext::fwd, flash_ext::fwd_out (and, in trace builds, the timeline
 // buffer of the Hopper forward). Checks (api/checks.h), common parameters (api/params_fill.h),
-// the kernel choice (dispatch/paths.h) and the Hopper config (heuristics.h), then the launch.
+// the kernel choice (dispatch/paths.h) and the Hopper config (tuning/heuristics.h), then the launch.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -16,7 +16,7 @@
 #include "api/workspace.h"
 #include "device_info.h"
 #include "dispatch/paths.h"
-#include "heuristics.h"
+#include "tuning/heuristics.h"
 #include "params.h"
 #include "sm90/fwd_trace.h"
 #include "tuning/overrides.h"

@@ -2,8 +2,8 @@
 // forward's fields plus gradients and work buffers). Filled by the torch-facing layer
 // (csrc/api/params_fill.cpp, the ops) and read by the kernels. No torch or CUTLASS types here:
 // kernel translation units include this file only. How a call is scheduled (tile, grid, ...) is
-// not a problem parameter: it lives in the host's config (csrc/heuristics.h), except the
-// resolved fields the kernels read, grouped below.
+// not a problem parameter: it lives in the host's config (csrc/tuning/heuristics.h), except
+// the resolved fields the kernels read, grouped below.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -59,8 +59,8 @@ struct FwdParams {
   uint64_t dropout_seed, dropout_offset;
 
   // ---- Resolved launch schedule of the Hopper forward, written by the host launch ----
-  // Chosen per call from Sm90FwdConfig (csrc/heuristics.h, heuristics.cpp: the reasons) by
-  // write_sm90_fwd_schedule; the kernel reads them. Zero-initialised for every other path.
+  // Chosen per call as Sm90FwdConfig (csrc/tuning/heuristics.h; the reasons: heuristics.cpp),
+  // copied here by write_sm90_fwd_schedule; the kernel reads them. Zero for every other path.
   // Each field keeps the 8-byte slot of its own (alignas) and the offset within it that the
   // kernels were tuned and checked with, so that their SASS differs from before only in
   // parameter offsets (ptxas pairs constant loads of fields that share a slot).

@@ -14,7 +14,8 @@ void check_cu_seqlens(const at::Tensor& q, const at::Tensor& cq, const at::Tenso
   FLASH_EXT_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt, "flash_ext: cu_seqlens must be int32");
   FLASH_EXT_CHECK(cq.dim() == 1 && ck.dim() == 1 && cq.numel() == ck.numel() && cq.numel() >= 1,
                   "flash_ext: cu_seqlens_q and cu_seqlens_k must be 1-D of the same length batch + 1");
-  FLASH_EXT_CHECK(cq.device() == q.device() && ck.device() == q.device(), "flash_ext: cu_seqlens must be on q's device");
+  FLASH_EXT_CHECK(cq.device() == q.device() && ck.device() == q.device(),
+                  "flash_ext: cu_seqlens must be on q's device");
   FLASH_EXT_CHECK(cq.is_contiguous() && ck.is_contiguous(), "flash_ext: cu_seqlens must be contiguous");
   FLASH_EXT_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_ext: max_seqlen must be >= 0");
 }
@@ -79,7 +80,8 @@ AttnShape check_attention_inputs(const AttnTensors& t, const std::optional<at::T
   s.head_dim = d;
 
   // Scalars.
-  FLASH_EXT_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "flash_ext: softmax_scale must be positive and finite");
+  FLASH_EXT_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale),
+                  "flash_ext: softmax_scale must be positive and finite");
   FLASH_EXT_CHECK(softcap >= 0, "flash_ext: softcap must be >= 0");
   FLASH_EXT_CHECK(window_left >= -1 && window_right >= -1, "flash_ext: window sizes must be >= -1");
 

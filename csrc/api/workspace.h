@@ -1,4 +1,4 @@
-// The device buffers a Hopper forward config asks for (heuristics.h Sm90FwdConfig), allocated
+// The device buffers a Hopper forward config asks for (tuning/heuristics.h Sm90FwdConfig), allocated
 // per call from PyTorch's caching allocator on the current stream: the tile counter of the
 // dynamic scheduler and the stream-K workspace. Freed when the returned holder goes out of
 // scope after the launch: the allocator hands the memory out again only to work ordered after
@@ -9,7 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <cuda_runtime.h>
 
-#include "heuristics.h"
+#include "tuning/heuristics.h"
 #include "params.h"
 
 namespace flash_ext {

@@ -1,11 +1,11 @@
 // Declarations of the backward launchers, one explicit instantiation per (head dim, dtype) in
 // csrc/instantiations/bwd_*.cu (kernel translation units). The host picks one through
-// dispatch/paths.cpp; the sm80 tile table is in heuristics.h (the host sizes the deterministic
+// dispatch/paths.cpp; the sm80 tile table is in tuning/heuristics.h (the host sizes the deterministic
 // dQ buffer by its key-block count). No CUTLASS or torch types here.
 #pragma once
 #include <cuda_runtime.h>
 
-#include "heuristics.h"
+#include "tuning/heuristics.h"
 #include "params.h"
 
 namespace flash_ext {

@@ -4,7 +4,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include "heuristics.h"
+#include "tuning/heuristics.h"
 #include "params.h"
 
 namespace flash_ext {

@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "device_info.h"
-#include "heuristics.h"
+#include "tuning/heuristics.h"
 #include "params.h"
 #include "tuning/overrides.h"
 

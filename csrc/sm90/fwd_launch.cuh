@@ -1,13 +1,13 @@
 // Host side of the Hopper forward: TMA descriptors (built through CUTLASS, which reaches
 // cuTensorMapEncodeTiled via the runtime's driver entry point, so nothing links libcuda) and the
 // launch of the kernel with the tile and grid of the call's config (chosen on the host by
-// heuristics.cpp, with its reasons; docs/kernels-sm90.md).
+// tuning/heuristics.cpp, with its reasons; docs/kernels-sm90.md).
 #pragma once
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
 #include "dispatch/fwd_dispatch.h"
-#include "heuristics.h"
+#include "tuning/heuristics.h"
 #include "sm90/fwd_kernel.cuh"
 
 namespace flash_ext {

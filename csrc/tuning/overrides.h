@@ -1,5 +1,5 @@
 // Tuning overrides: the FLASH_EXT_* switches that force a choice the heuristics
-// (csrc/heuristics.h) or the dispatch would otherwise make, for tests and A/B runs. Read from the
+// (tuning/heuristics.h) or the dispatch would otherwise make, for tests and A/B runs. Read from the
 // environment once per process, on first use; nothing on the per-call path calls getenv. Tests
 // and A/B tools change them at runtime through the flash_ext::set_tuning op (set_tuning below).
 // Plain C++: the dispatch, the heuristics and the launchers read them without torch.

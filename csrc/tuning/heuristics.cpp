@@ -1,6 +1,6 @@
 // heuristics.h: the decisions, each with its reason and measurement (H100/H200 runs in
 // docs/perf-notes.md; the design in docs/kernels-sm90.md and docs/kernels-sm80-bwd.md).
-#include "heuristics.h"
+#include "tuning/heuristics.h"
 
 #include <algorithm>
 
@@ -50,7 +50,8 @@ void choose_sections(const FwdParams& p, const Sm90FwdTile& tile, const DeviceIn
   int sections = 1;
   if (p.has_window && bandwidth_bound) {
     const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.seqlen_k) * p.head_dim * 2 * int64_t(kElementBytes));
-    const int max_units = int(std::max<int64_t>(1, std::min<int64_t>(units, int64_t(dev.l2_bytes / 2) / kv_head_bytes)));
+    const int64_t fit = int64_t(dev.l2_bytes / 2) / kv_head_bytes;  // K/V heads in half the L2
+    const int max_units = int(std::max<int64_t>(1, std::min<int64_t>(units, fit)));
     sections = (units + max_units - 1) / max_units;
   }
   // Balanced: the first units % sections sections get one K/V head more.
@@ -165,7 +166,8 @@ void write_sm90_fwd_schedule(const Sm90FwdConfig& c, FwdParams& p) {
 BwdTile choose_bwd_sm80_tile(int kernel_head_dim, const DeviceInfo& dev, const TuningOverrides& o) {
   if (o.bwd_small_tile) return bwd_sm80_tile(kernel_head_dim, false);
   const BwdTile big = bwd_sm80_tile(kernel_head_dim, true);
-  return dev.smem_optin_bytes >= bwd_sm80_smem_bytes(kernel_head_dim, big) ? big : bwd_sm80_tile(kernel_head_dim, false);
+  const bool fits = dev.smem_optin_bytes >= bwd_sm80_smem_bytes(kernel_head_dim, big);
+  return fits ? big : bwd_sm80_tile(kernel_head_dim, false);
 }
 
 BwdTile bwd_sm80_pick_tile(int kernel_head_dim) {
