@@ -31,8 +31,8 @@ void run_fwd(const KernelChoice& k, FwdParams& p, const Sm90FwdConfig& sm90_conf
 
 // Backward: the Hopper kernel on sm90 devices where it applies (head dims <= 128 and 193-256,
 // fixed-length batches, deterministic=False, no dropout; docs/kernels-sm90-bwd.md), else the
-// sm80 kernel. FLASH_EXT_BWD_PATH forces one. sm80_kernel_head_dim: the sm80 kernel's (which the
-// host needs for its dQ buffer even when the Hopper kernel runs); raises when there is none.
+// sm80 kernel. FLASH_EXT_BWD_PATH forces one. sm80_bwd_kernel_head_dim: the sm80 kernel's head
+// dim (the host sizes its dQ buffer by that kernel's tile); raises when there is none.
 int sm80_bwd_kernel_head_dim(int head_dim);
 KernelChoice choose_bwd_kernel(const BwdParams& p, const DeviceInfo& dev, const TuningOverrides& o);
 void run_bwd(const KernelChoice& k, BwdParams& p, cudaStream_t stream);

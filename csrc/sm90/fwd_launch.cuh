@@ -27,7 +27,7 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
   using Element = typename Traits::Element;
   const bool varlen = p.cu_seqlens_q != nullptr;
   Args args;
-  args.p = p;  // with the schedule the host resolved (heuristics.h write_sm90_fwd_schedule)
+  args.p = p;  // with the schedule the host resolved (tuning/heuristics.h)
   // Varlen tensors are one packed "batch"; a CTA offsets its TMA coordinates by cu_seqlens.
   args.shape_q = make_shape(varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads_q, varlen ? 1 : p.batch);
   args.shape_k = make_shape(varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, varlen ? 1 : p.batch);
@@ -76,7 +76,7 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
 template <int kHeadDim, bool kIsBf16>
 void run_fwd_sm90(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t stream) {
   using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
-  // The tile the config chose (heuristics.h sm90_fwd_tile; docs/kernels-sm90.md for the budget).
+  // The tile the config chose (tuning/heuristics.h sm90_fwd_tile; docs/kernels-sm90.md: budgets).
   constexpr Sm90FwdTile kBase = sm90_fwd_tile(kHeadDim, false);
   using Base = sm90::FwdTraits<kHeadDim, kBase.block_m, kBase.block_n, kBase.stages, Element>;
   if constexpr (sm90_fwd_has_alt_tile(kHeadDim)) {
