@@ -61,13 +61,18 @@ def make_extension() -> CUDAExtension:
     missing = [str(p.relative_to(ROOT)) for p in kernel_sources if not p.is_file()]
     if missing:
         fail("missing generated sources (run `python tools/gen_instantiations.py`): " + ", ".join(missing))
-    api = ROOT / "csrc" / "flash_api.cpp"
-    bwd_api = ROOT / "csrc" / "flash_bwd_api.cpp"  # registers flash_ext::bwd
-    dropout_mask = ROOT / "csrc" / "dropout_mask.cu"  # the flash_ext::dropout_mask kernel
-    for f in (api, bwd_api, dropout_mask):
+    # The torch-facing layer and the host code it calls (no kernels): csrc/ops_*.cpp register the
+    # ops; api/ checks and fills params; dispatch/ and tuning/ choose what runs and how.
+    host_sources = [ROOT / "csrc" / name for name in (
+        "ops_library.cpp", "ops_fwd.cpp", "ops_bwd.cpp", "ops_dropout.cpp",
+        "api/checks.cpp", "api/errors.cpp", "api/params_fill.cpp", "api/workspace.cpp",
+        "dispatch/paths.cpp", "tuning/heuristics.cpp", "tuning/overrides.cpp", "device_info.cpp",
+        "dropout_mask.cu",  # the flash_ext::dropout_mask kernel
+    )]
+    for f in host_sources:
         if not f.is_file():
             fail(f"missing {f.relative_to(ROOT)}")
-    sources = [str(p.relative_to(ROOT)) for p in [api, bwd_api, dropout_mask] + kernel_sources]
+    sources = [str(p.relative_to(ROOT)) for p in host_sources + kernel_sources]
 
     # One argv entry per flag, unquoted: torch's ninja writer shell-quotes every flag itself
     # (so -DFLASH_EXT_BUILD_INFO="archs=80;90a ..." reaches the compiler intact).
@@ -83,7 +88,7 @@ def make_extension() -> CUDAExtension:
         cxx_flags += ["-idirafter", wheel_inc]
 
     # Kernel units include no torch header: C++17 is enough there. The FLASH_EXT_* knob macros
-    # go to flash_api.cpp only, so narrowing head dims / dtypes does not recompile other kernels.
+    # go to the host .cpp files only, so narrowing head dims / dtypes does not recompile other kernels.
     nvcc_flags = [
         "-O3",
         "-std=c++17",

@@ -1,5 +1,9 @@
-// Plain parameter structs shared by the torch-facing layer (flash_api.cpp) and the kernels.
-// No torch or CUTLASS types here: kernel translation units include this file only.
+// Plain parameter structs of the kernels: FwdParams (forward) and BwdParams (backward, the
+// forward's fields plus gradients and work buffers). Filled by the torch-facing layer
+// (csrc/api/params_fill.cpp, the ops) and read by the kernels. No torch or CUTLASS types here:
+// kernel translation units include this file only. How a call is scheduled (tile, grid, ...) is
+// not a problem parameter: it lives in the host's config (csrc/tuning/heuristics.h), except
+// the resolved fields the kernels read, grouped below.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -54,73 +58,94 @@ struct FwdParams {
   uint32_t dropout_threshold;
   uint64_t dropout_seed, dropout_offset;
 
-  // Hopper kernel: order the consumer warpgroups' GEMMs (ping-pong). -1 (default): the launch
-  // picks 0 at d = 256 without a mask, else 1; 1 (FLASH_EXT_SM90_PINGPONG=1): on, the turn
-  // passes right after a warpgroup's GEMM issue and the turns carry on across tiles;
-  // 2 (FLASH_EXT_SM90_PINGPONG=tile): on, re-synchronised at every tile; 0: off.
+  // ---- Resolved launch schedule of the Hopper forward, written by the host launch ----
+  // Chosen per call as Sm90FwdConfig (csrc/tuning/heuristics.h; the reasons: heuristics.cpp),
+  // copied here by write_sm90_fwd_schedule; the kernel reads them. Zero for every other path.
+  // Each field keeps the 8-byte slot of its own (alignas) and the offset within it that the
+  // kernels were tuned and checked with, so that their SASS differs from before only in
+  // parameter offsets (ptxas pairs constant loads of fields that share a slot).
+  //
+  // Ping-pong of the consumer warpgroups' GEMMs: 1 on, the turn passed right after a
+  // warpgroup's GEMM issue and carried on across tiles; 0 off. (2, re-synchronised at every
+  // tile, is no longer chosen by the host.)
   int sm90_pingpong;
-  // Hopper kernel grid: -1 auto (= 1), 0 one CTA per tile, 1 persistent (static stride without a
-  // mask; under a causal/local mask CTAs claim tiles from tile_counter).
-  // FLASH_EXT_SM90_PERSISTENT=0/1 forces it (for measurements and tests).
-  int sm90_persistent;
-  // Hopper kernel: O through shared memory and a TMA store (head dims <= 192, not varlen; else
-  // from registers). On by default; FLASH_EXT_SM90_TMA_STORE=0 turns it off.
-  bool sm90_tma_store_o;
-  // Hopper kernel tile of head dims 64 and 256 (sm90/fwd_launch.cuh): -1 auto, 0 base
-  // (d = 64: 128 x 128, d = 256: 128 x 64), 1 alt (d = 64: 192 x 128, d = 256: 128 x 80).
-  // FLASH_EXT_SM90_FWD_TILE=base|alt forces one (for A/B runs and tests).
-  int sm90_fwd_tile;
-  // Hopper kernel: lazy rescaling of the output (common/softmax.h). On by default;
-  // FLASH_EXT_SM90_LAZY_RESCALE=0 rescales whenever a row's max grows (for measurements).
-  bool sm90_lazy_rescale;
-  // Hopper kernel under causal/local masks: longest-first tile order within sections of heads
-  // whose K/V fit in half the L2 (sm90/fwd_kernel.cuh TileScheduler). 1 (default): where the
-  // plain order would need much HBM bandwidth (sm90/fwd_launch.cuh); 2
-  // (FLASH_EXT_SM90_HEAD_SECTIONS=always): always; 0: never, longest first over all heads.
-  int sm90_head_sections;
-  // Section sizes, set by the launch from the above and the L2 size: the first sm90_section_big
-  // sections hold sm90_section_big_hb (head, batch) pairs, the rest sm90_section_hb (balanced:
-  // the two differ by one K/V head's query heads). 3 (FLASH_EXT_SM90_HEAD_SECTIONS=uneven, for
-  // measurements): as 1 with full sections and a smaller last one (the order before session 7).
-  int sm90_section_hb;
+  // O through shared memory and a TMA store (fixed-length batches whose out a tensor map can
+  // describe); else the register epilogue.
+  alignas(8) bool sm90_tma_store_o;
+  // Lazy rescaling of the output (common/softmax.h); always on (the host sets true).
+  alignas(8) bool sm90_lazy_rescale;
+  // Head sections of the causal/local tile order (sm90/fwd_kernel.cuh TileScheduler): the first
+  // sm90_section_big sections hold sm90_section_big_hb (head, batch) pairs, the rest
+  // sm90_section_hb (balanced: the two differ by one K/V head's query heads).
+  alignas(8) int sm90_section_hb;
   int sm90_section_big;
-  int sm90_section_big_hb;
-  // Hopper kernel under a causal mask (no left window, fixed-length batch): the query tiles end
-  // at seqlen_q instead of starting at row 0, so the padding rows of a seqlen_q that is no
-  // multiple of kBlockM fall into the shortest tile, not the longest (sm90/fwd_kernel.cuh).
-  // On by default; FLASH_EXT_SM90_ALIGN_END=0 turns it off (for measurements and tests).
-  bool sm90_align_end;
-  // Rows (a multiple of 64) by which the first query tile starts before row 0; set by the launch.
-  int sm90_row_shift;
-  // Device facts the launches need, read once per device by flash_api.cpp (api_common.h
-  // device_info): multiprocessors, L2 bytes, peak DRAM bandwidth (0 when not reported).
-  int num_sms;
-  int l2_bytes;
-  double dram_bytes_per_s;
-  // Hopper kernel, persistent grid under a causal/local mask: a zero-initialised int32 on the
-  // device from which CTAs claim tiles (flash_api.cpp allocates it per call); nullptr otherwise.
-  int* tile_counter;
-  // Hopper kernel without a mask, persistent grid: the stream-K tail (sm90/stream_k.h).
-  // sm90_stream_k: -1 auto (where the last wave leaves enough SMs idle), 0 off, 1 wherever it
-  // can run (FLASH_EXT_SM90_STREAM_K, for measurements and tests). The launch sets the rest:
-  // tiles [sm90_dp_tiles, number of tiles) are cut along the keys over all CTAs, whose static
-  // walk then runs up to index sm90_work_end (= the number of tiles, and sm90_dp_tiles too, when
-  // the tail is walked whole); sm90_sk_count (zeroed per call) and sm90_sk_partial hold the
-  // pieces' arrival counters and partial states.
-  int sm90_stream_k;
-  int sm90_dp_tiles, sm90_work_end;
-  int* sm90_sk_count;
+  alignas(8) int sm90_section_big_hb;
+  // Rows (a multiple of 64) by which the first query tile starts before row 0 (causal tiles
+  // aligned to end at seqlen_q).
+  alignas(8) int sm90_row_shift;
+  // Persistent grid under a causal/local mask: a zero-initialised int32 on the device from which
+  // CTAs claim tiles (allocated per call by the op); nullptr otherwise.
+  alignas(8) int* tile_counter;
+  // Stream-K tail (sm90/stream_k.h; no mask): tiles [sm90_dp_tiles, number of tiles) are cut
+  // along the keys over all CTAs, whose static walk then runs up to index sm90_work_end (= the
+  // number of tiles, and sm90_dp_tiles too, when the tail is walked whole); sm90_sk_count
+  // (zeroed per call) and sm90_sk_partial hold the pieces' arrival counters and partial states.
+  alignas(8) int sm90_dp_tiles;
+  alignas(8) int sm90_work_end;
+  alignas(8) int* sm90_sk_count;
   float* sm90_sk_partial;
-  // Device workspace for a launch (stream-K above): alloc_workspace(alloc_ctx, bytes) returns
-  // memory that stays valid for work queued on the launch's stream (flash_api.cpp: a tensor from
-  // PyTorch's caching allocator). nullptr: no workspace, so no stream-K.
-  void* (*alloc_workspace)(void* ctx, size_t bytes);
-  void* alloc_ctx;
 #ifdef FLASH_EXT_SM90_TRACE
   // The timeline buffer of a trace build (sm90/fwd_trace.h; nullptr: no trace). Only in builds
   // with FLASH_EXT_SM90_TRACE=1, which setup.py defines for every file alike.
   int64_t* sm90_trace;
 #endif
+};
+
+// Parameters of the backward pass: the forward's fields (q, k, v, o, lse, strides, seqlens,
+// scale, softcap, window, dropout) plus the gradients and the fp32 work buffers. Filled by
+// csrc/ops_bwd.cpp; see docs/kernels-sm80-bwd.md.
+struct BwdParams : FwdParams {
+  // dO, laid out like o (batch, seqlen_q, heads_q, head_dim) or varlen (total_q, heads_q, head_dim).
+  const void* __restrict__ dout;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+
+  // D = rowsum(dO * O) in fp32, same layout and strides as lse (written by the preprocess kernel).
+  float* __restrict__ dsum;
+
+  // fp32 dQ accumulator (batch, seqlen_q, heads_q, head_dim) or varlen (total_q, heads_q, head_dim),
+  // zero-initialized by the caller. Atomic mode (dq_split_stride == 0): every key block adds its
+  // contribution with fp32 atomics. Deterministic mode: key block n writes its contribution with
+  // plain stores into slice n (at dq_accum + n * dq_split_stride); the caller sums the slices.
+  // Already multiplied by softmax_scale.
+  float* __restrict__ dq_accum;
+  int64_t dqa_batch_stride, dqa_row_stride, dqa_head_stride;
+  int64_t dq_split_stride;
+
+  // dK and dV in the input dtype, indexed by the *query* head: (batch, seqlen_k, heads_q, head_dim)
+  // or varlen (total_k, heads_q, head_dim). With heads_q == heads_kv these are the final gradients;
+  // for GQA/MQA they are expanded buffers that the caller sums over each group of query heads.
+  void* __restrict__ dk;
+  void* __restrict__ dv;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+
+  // Hopper backward only: lse * log2(e) and D in (batch, heads_q, seqlen_q_padded) buffers
+  // (p.dsum then points at the padded D), written by its preprocess kernel.
+  float* __restrict__ lse_log2;
+  int seqlen_q_padded;
+  // Hopper backward only: dq_accum is instead (batch, heads_q, seqlen_q_padded / kBlockM) tiles of
+  // kBlockM x kernel-head-dim floats, each in the consumer threads' fragment order (see
+  // dq_accum_slot in sm90/bwd_kernel.cuh), zeroed by the preprocess kernel; the dQ convert kernel
+  // writes dq (input dtype, laid out like q) from it.
+  void* __restrict__ dq;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+
+  bool deterministic;
+
+  // sm80 main-kernel variant: 2 = bwd_kernel_v2 (double-buffered Q/dO, the default; falls back
+  // to 1 where it is not compiled or does not fit), 1 = bwd_kernel. Resolved by the host from the
+  // tuning overrides (csrc/tuning/overrides.h).
+  int variant;
 };
 
 }  // namespace flash_ext

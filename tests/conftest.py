@@ -85,3 +85,37 @@ def pytest_runtest_makereport(item, call):
         rep.outcome = "skipped"
         rep.longrepr = (str(item.path), item.location[1] or 0,
                         "Skipped: not in this narrowed build: " + msg.splitlines()[0][:200])
+
+
+class Tuning:
+    """The C++ ops' tuning switches (FLASH_EXT_FWD_PATH, FLASH_EXT_SM90_STREAM_K, ...: README),
+    which the extension reads from the environment once per process: tests set them between
+    calls through the flash_ext::set_tuning op instead. set(name, value) as the environment
+    variable would; every switch set is restored to the environment's value afterwards."""
+
+    def __init__(self):
+        self._names = set()
+
+    @staticmethod
+    def _ops():
+        import flash_ext  # noqa: F401  (loads the extension, which registers the ops)
+        return torch.ops.flash_ext
+
+    def set(self, name, value):
+        self._ops().set_tuning(name, value)
+        self._names.add(name)
+
+    def get(self, name):
+        return self._ops().get_tuning(name)
+
+    def restore(self):
+        for name in self._names:
+            self._ops().set_tuning(name, "")  # "": the environment's value
+        self._names.clear()
+
+
+@pytest.fixture
+def tuning():
+    t = Tuning()
+    yield t
+    t.restore()

@@ -31,13 +31,14 @@ BWD_CONFIGS = {"sm80_v1": ("sm80", "1"), "sm80_v2": ("sm80", "2"), "auto": ("aut
 
 
 @pytest.fixture(autouse=True, params=list(BWD_CONFIGS), ids=lambda c: f"bwd_{c}")
-def bwd_variant(request, monkeypatch):
-    """Every test runs once per backward kernel (both environment variables are read per call):
-    the sm80 kernel's variants 1 and 2 (docs/kernels-sm80-bwd.md, "Variant 2"), and the default
-    dispatch, which on Hopper runs the wgmma kernel where it applies (docs/kernels-sm90-bwd.md)."""
+def bwd_variant(request, tuning):
+    """Every test runs once per backward kernel (both switches set through flash_ext::set_tuning,
+    tests/conftest.py): the sm80 kernel's variants 1 and 2 (docs/kernels-sm80-bwd.md, "Variant 2"),
+    and the default dispatch, which on Hopper runs the wgmma kernel where it applies
+    (docs/kernels-sm90-bwd.md)."""
     path, variant = BWD_CONFIGS[request.param]
-    monkeypatch.setenv("FLASH_EXT_BWD_PATH", path)
-    monkeypatch.setenv("FLASH_EXT_BWD_VARIANT", variant)
+    tuning.set("FLASH_EXT_BWD_PATH", path)
+    tuning.set("FLASH_EXT_BWD_VARIANT", variant)
     return request.param
 
 
@@ -288,16 +289,16 @@ def test_bwd_bad_dout():
 @pytest.mark.parametrize("d", [96, 128, 192, 256])
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(40, 3)),
                                 dict(causal=True, deterministic=True)], ids=str)
-def test_small_smem_tiles(dtype, d, kw, monkeypatch):
+def test_small_smem_tiles(dtype, d, kw, tuning):
     """The tiles chosen on 99 KB devices (sm86/sm89), forced on this GPU."""
-    monkeypatch.setenv("FLASH_EXT_BWD_SMALL_TILE", "1")
+    tuning.set("FLASH_EXT_BWD_SMALL_TILE", "1")
     run_case(2, 203, 300, 4, 2, d, dtype, f"small tile d={d} {kw}", **kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("d,kw", [(64, dict()), (128, dict(causal=True)), (256, dict(window=(100, 20))),
                                   (128, dict(deterministic=True))], ids=str)
-def test_variants_agree(dtype, d, kw, bwd_variant, monkeypatch):
+def test_variants_agree(dtype, d, kw, bwd_variant, tuning):
     """Both main kernels give the same gradients on a many-query-block case (up to fp32
     summation order of the dQ atomics). Runs once per fixture value; compares 1 against 2."""
     if bwd_variant != "sm80_v1":
@@ -308,7 +309,7 @@ def test_variants_agree(dtype, d, kw, bwd_variant, monkeypatch):
     dout = torch.randn_like(q)
     grads = {}
     for var in BWD_VARIANTS:
-        monkeypatch.setenv("FLASH_EXT_BWD_VARIANT", var)
+        tuning.set("FLASH_EXT_BWD_VARIANT", var)
         grads[var] = flash_fwd_bwd(q, k, v, dout, **kw)[2:]
     for name, a, b in zip(("dq", "dk", "dv"), grads["1"], grads["2"]):
         assert not b.isnan().any(), name

@@ -19,8 +19,8 @@ requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="the Hopper backward n
 
 
 @pytest.fixture(autouse=True)
-def _force_sm90(monkeypatch):
-    monkeypatch.setenv("FLASH_EXT_BWD_PATH", "sm90")
+def _force_sm90(tuning):
+    tuning.set("FLASH_EXT_BWD_PATH", "sm90")
     torch.manual_seed(0)
 
 
@@ -77,13 +77,13 @@ def test_sm90_strided_inputs():
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("d,kw", [(64, dict()), (128, dict(causal=True)), (128, dict(window=(300, 50))),
                                   (256, dict(causal=True))], ids=str)
-def test_sm90_agrees_with_sm80(dtype, d, kw, monkeypatch):
+def test_sm90_agrees_with_sm80(dtype, d, kw, tuning):
     q = torch.randn(2, 1500, 4, d, device="cuda", dtype=dtype)
     k = torch.randn(2, 1400, 2, d, device="cuda", dtype=dtype)
     v = torch.randn(2, 1400, 2, d, device="cuda", dtype=dtype)
     dout = torch.randn_like(q)
     sm90 = flash_fwd_bwd(q, k, v, dout, **kw)[2:]
-    monkeypatch.setenv("FLASH_EXT_BWD_PATH", "sm80")
+    tuning.set("FLASH_EXT_BWD_PATH", "sm80")
     sm80 = flash_fwd_bwd(q, k, v, dout, **kw)[2:]
     for name, a, b in zip(("dq", "dk", "dv"), sm90, sm80):
         assert not a.isnan().any(), name

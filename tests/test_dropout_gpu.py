@@ -8,8 +8,8 @@ with FlashAttention's criteria (as in test_fwd_gpu.py / test_bwd_gpu.py):
     dq/dk/dv:  max|g - ref|   <= 2 max|pt - ref| + max|round(ref) - ref| + 1e-4 max|ref| + 1e-5
 
 where ref is the float32 reference and pt the same reference computed in the input dtype. The
-backward runs with FLASH_EXT_BWD_PATH=sm80 and both FLASH_EXT_BWD_VARIANT=1 and 2 (read per
-call), plus once with the default dispatch.
+backward runs with FLASH_EXT_BWD_PATH=sm80 and both FLASH_EXT_BWD_VARIANT=1 and 2 (set through
+flash_ext::set_tuning, tests/conftest.py), plus once with the default dispatch.
 
     python -m pytest -q tests/test_dropout_gpu.py
 """
@@ -56,9 +56,9 @@ def _seed():
 
 
 @pytest.fixture(params=["1", "2"], ids=lambda v: f"bwd_v{v}")
-def bwd_variant(request, monkeypatch):
-    monkeypatch.setenv("FLASH_EXT_BWD_PATH", "sm80")
-    monkeypatch.setenv("FLASH_EXT_BWD_VARIANT", request.param)
+def bwd_variant(request, tuning):
+    tuning.set("FLASH_EXT_BWD_PATH", "sm80")
+    tuning.set("FLASH_EXT_BWD_VARIANT", request.param)
     return request.param
 
 
@@ -207,10 +207,10 @@ def test_forward_p1_gives_zeros():
     torch.testing.assert_close(lse, lse0)
 
 
-def test_forced_sm90_forward_with_dropout_is_refused(monkeypatch):
+def test_forced_sm90_forward_with_dropout_is_refused(tuning):
     if torch.cuda.get_device_capability()[0] != 9 or "90a" not in flash_ext.build_info():
         pytest.skip("needs an sm90 GPU and a build with 90a")
-    monkeypatch.setenv("FLASH_EXT_FWD_PATH", "sm90")
+    tuning.set("FLASH_EXT_FWD_PATH", "sm90")
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="dropout"):
         flash_ext.attn_fwd(q, q, q, dropout_p=0.1)
@@ -283,11 +283,11 @@ def test_backward_softcap_window_deterministic(bwd_variant):
     check_grads(g1, ref, pt, f"bwd softcap/window v{bwd_variant}")
 
 
-def test_backward_default_dispatch_falls_back_to_sm80(monkeypatch):
-    """No FLASH_EXT_BWD_PATH, deterministic=False, d = 128, fixed length: where the Hopper
+def test_backward_default_dispatch_falls_back_to_sm80(tuning):
+    """FLASH_EXT_BWD_PATH=auto, deterministic=False, d = 128, fixed length: where the Hopper
     backward would run, dropout must still get the sm80 kernel (the Hopper one has none)."""
-    monkeypatch.delenv("FLASH_EXT_BWD_PATH", raising=False)
-    monkeypatch.delenv("FLASH_EXT_BWD_VARIANT", raising=False)
+    tuning.set("FLASH_EXT_BWD_PATH", "auto")
+    tuning.set("FLASH_EXT_BWD_VARIANT", "2")
     q = torch.randn(2, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
     k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
     out, lse, rs = flash_ext.attn_fwd(q, k, v, dropout_p=0.3)

@@ -44,20 +44,15 @@ def _fwd_paths():
     paths = ["sm80"]
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 \
             and "90a" in flash_ext.build_info():
-        # The Hopper kernel with its default grid, and with each grid forced (persistent, one
-        # CTA per tile), so both schedules are covered under every mask.
-        paths += ["sm90", "sm90-persist", "sm90-pertile"]
+        paths += ["sm90"]
     return paths
 
 
 @pytest.fixture(autouse=True, params=_fwd_paths())
-def fwd_path(request, monkeypatch):
+def fwd_path(request, tuning):
     """Every test runs once per forward path (FLASH_EXT_FWD_PATH forces the dispatch)."""
-    path = request.param
-    monkeypatch.setenv("FLASH_EXT_FWD_PATH", path.split("-")[0])
-    if path in ("sm90-persist", "sm90-pertile"):
-        monkeypatch.setenv("FLASH_EXT_SM90_PERSISTENT", "1" if path == "sm90-persist" else "0")
-    return path
+    tuning.set("FLASH_EXT_FWD_PATH", request.param)
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -315,28 +310,21 @@ def test_varlen_cuda_graph_capture():
 
 
 # ---------------------------------------------------------------------------------------------
-# Hopper kernel switches: O epilogue (TMA store / registers) x grid (persistent, where masked
-# calls claim tiles from a counter / one CTA per tile), and the ping-pong modes (turns carried
-# across tiles / re-synchronised per tile / off)
+# Hopper kernel switches: the ping-pong modes (turns carried across tiles / off) on the
+# persistent grid (where a CTA's turns run on over several tiles; masked calls claim tiles from
+# a counter)
 # ---------------------------------------------------------------------------------------------
 
-# Environments of FLASH_EXT_SM90_* switches, each value read by flash_api.cpp per call: every
-# epilogue x grid pair with the defaults, then the ping-pong modes (forced on: the default has it
-# off at d = 256 without a mask; per tile; off) on the persistent
-# grid (where a CTA's turns run on over several tiles) and the causal tile order without head
-# sections (all heads in one section), with them whatever the bandwidth estimate says, and in
-# uneven sizes (full sections and a smaller last one), and
-# causal tiles from row 0 instead of aligned to end at seqlen_q, and ping-pong off with the TMA
-# store. (The main-loop order is fixed per head dim at compile time: sm90/fwd_launch.cuh kLoopFor.)
-SM90_SWITCHES = [dict(TMA_STORE=tma, PERSISTENT=grid) for tma in ("0", "1") for grid in ("0", "1")] + [
-    dict(PINGPONG="1"), dict(PINGPONG="tile"), dict(TMA_STORE="0", PINGPONG="0"),
-    dict(HEAD_SECTIONS="0"),
-    dict(HEAD_SECTIONS="always"), dict(HEAD_SECTIONS="uneven"), dict(ALIGN_END="0"),
-    dict(PINGPONG="0")]
-SM90_SWITCH_NAMES = ("TMA_STORE", "PERSISTENT", "PINGPONG", "HEAD_SECTIONS", "ALIGN_END", "STREAM_K")
+# FLASH_EXT_SM90_* switch settings (set through flash_ext::set_tuning, tests/conftest.py):
+# the defaults, then ping-pong forced on (the default has it off at d = 256 without a mask) and
+# off. (The main-loop order is fixed per head dim at compile time: sm90/fwd_launch.cuh kLoopFor;
+# the O epilogue, the grid, head sections and causal tiles aligned to end at seqlen_q are
+# chosen by the host heuristics, csrc/tuning/heuristics.cpp.)
+SM90_SWITCHES = [dict(), dict(PINGPONG="1"), dict(PINGPONG="0")]
+SM90_SWITCH_NAMES = ("PINGPONG", "STREAM_K")
 # Unset switches run at their defaults, except the stream-K tail: it changes the summation order
-# of the tail tiles (so no bitwise match with the other grids); test_sm90_stream_k covers it.
-SM90_SWITCH_DEFAULTS = dict(STREAM_K="0")
+# of the tail tiles (so no bitwise match with the whole-tile walk); test_sm90_stream_k covers it.
+SM90_SWITCH_DEFAULTS = dict(PINGPONG="auto", STREAM_K="0")
 
 
 def _sm90_or_skip(fwd_path):
@@ -346,17 +334,14 @@ def _sm90_or_skip(fwd_path):
         pytest.skip("sets the Hopper switches itself: runs once, under FLASH_EXT_FWD_PATH=sm90")
 
 
-def _each_sm90_switch(monkeypatch, run, check):
+def _each_sm90_switch(tuning, run, check):
     """run() under every switch combination; check(out, lse, label) each result, and require
-    all of them to be bitwise equal (the switches change where O goes and which CTA computes a
-    tile, never the arithmetic). monkeypatch restores the environment afterwards."""
+    all of them to be bitwise equal (the switches change the order of the warpgroups' GEMMs,
+    never the arithmetic). The tuning fixture restores the switches afterwards."""
     first = None
     for env in SM90_SWITCHES:
         for name in SM90_SWITCH_NAMES:
-            if name in env or name in SM90_SWITCH_DEFAULTS:
-                monkeypatch.setenv(f"FLASH_EXT_SM90_{name}", env.get(name, SM90_SWITCH_DEFAULTS.get(name)))
-            else:
-                monkeypatch.delenv(f"FLASH_EXT_SM90_{name}", raising=False)
+            tuning.set(f"FLASH_EXT_SM90_{name}", env.get(name, SM90_SWITCH_DEFAULTS[name]))
         label = " ".join(f"{k}={v}" for k, v in env.items())
         out, lse = run()
         check(out, lse, label)
@@ -381,13 +366,14 @@ SM90_SWITCH_CASES = [
     (torch.bfloat16, 2, 1000, 1000, 8, 8, 80, dict(causal=True)),  # d = 80 in the 96 kernel
     (torch.float16, 2, 513, 700, 16, 16, 192, dict(window_size=(100, 0))),
     # 2 MB of K/V per head, 72 (head, batch) pairs: with a 50 MB L2 (H100, H200) the causal
-    # order runs in 6 head sections (under HEAD_SECTIONS=always, and by default on both GPUs)
+    # order runs in 6 head sections (on both GPUs: 72 K/V streams need over a quarter of the
+    # bandwidth, csrc/tuning/heuristics.cpp)
     (torch.bfloat16, 2, 2048, 2048, 36, 36, 256, dict(causal=True)),
-    # GQA in uneven sections: 26 (K/V head, batch) pairs of 2 MB, at most 12 per section, so 3
-    # sections of 9, 9 and 8 K/V heads (18, 18, 16 query-head pairs; HEAD_SECTIONS=uneven: 24,
-    # 24, 4), by default on the H100 (26 streams above a quarter of 3.35 TB/s) and under always.
+    # GQA in sections of different sizes: 26 (K/V head, batch) pairs of 2 MB, at most 12 per
+    # section, so 3 sections of 9, 9 and 8 K/V heads (18, 18, 16 query-head pairs), on the H100
+    # (26 streams above a quarter of 3.35 TB/s); one section on the H200.
     (torch.bfloat16, 2, 2048, 2048, 26, 13, 256, dict(causal=True)),
-    # Causal tiles aligned to end at seqlen_q (ALIGN_END, default on): 9 x 128 - 1050 = 102, so the
+    # Causal tiles aligned to end at seqlen_q: 9 x 128 - 1050 = 102, so the
     # first tile starts 64 rows before row 0; with sk > sq those rows would see keys (no output).
     (torch.bfloat16, 2, 1050, 1300, 8, 8, 128, dict(causal=True)),
     # A right window without a left one is aligned too (d = 64, 700 rows: 64 rows before row 0
@@ -405,21 +391,21 @@ def _case_id(c):
     return f"{dname(c[0])}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{c[7]}"
 
 
-def _check_case_under_switches(case, monkeypatch, record_property, prefix=""):
+def _check_case_under_switches(case, tuning, record_property, prefix=""):
     """One SM90_SWITCH_CASES-style case against the reference under every switch combination."""
     dtype, b, sq, sk, hq, hkv, d, kw = case
     q, k, v = rand_qkv(b, sq, sk, hq, hkv, d, dtype)
     ref, ref_lse = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    _each_sm90_switch(monkeypatch, lambda: flash_ext.attn_fwd(q, k, v, **kw),
+    _each_sm90_switch(tuning, lambda: flash_ext.attn_fwd(q, k, v, **kw),
                       lambda out, lse, label: assert_close_to_ref(out, lse, ref, ref_lse, pt,
                                                                   record_property, prefix + label))
 
 
 @pytest.mark.parametrize("case", SM90_SWITCH_CASES, ids=_case_id)
-def test_sm90_switches(case, fwd_path, monkeypatch, record_property):
+def test_sm90_switches(case, fwd_path, tuning, record_property):
     _sm90_or_skip(fwd_path)
-    _check_case_under_switches(case, monkeypatch, record_property)
+    _check_case_under_switches(case, tuning, record_property)
 
 
 # Both tiles of d <= 64 and d = 256 forced (FLASH_EXT_SM90_FWD_TILE=alt / base) at every seqlen:
@@ -435,24 +421,22 @@ SM90_ALT_TILE_CASES = [c for c in SM90_SWITCH_CASES if c[6] in (64, 256)] + [
 
 @pytest.mark.parametrize("case", SM90_ALT_TILE_CASES, ids=_case_id)
 @pytest.mark.parametrize("tile", ["alt", "base"])
-def test_sm90_alt_tiles(case, tile, fwd_path, monkeypatch, record_property):
+def test_sm90_alt_tiles(case, tile, fwd_path, tuning, record_property):
     _sm90_or_skip(fwd_path)
-    monkeypatch.setenv("FLASH_EXT_SM90_FWD_TILE", tile)
-    _check_case_under_switches(case, monkeypatch, record_property, prefix=f"{tile} tile ")
+    tuning.set("FLASH_EXT_SM90_FWD_TILE", tile)
+    _check_case_under_switches(case, tuning, record_property, prefix=f"{tile} tile ")
 
 
 # Lazy rescaling (common/softmax.h): a row keeps a stale max while new blocks exceed it by at most
 # 2^8. Keys scaled by a ramp, largest at key 0, which the kernel visits last (it walks key blocks
 # from the end), so every row's max grows block after block: by less than the slack per block and
-# far past it overall (about 20 in log2 units), with both settings of the switch.
+# far past it overall (about 20 in log2 units).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dname)
-@pytest.mark.parametrize("lazy", ["1", "0"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("pingpong", ["", "0"])
-def test_sm90_rescale_with_growing_max(dtype, lazy, causal, pingpong, fwd_path, monkeypatch, record_property):
+@pytest.mark.parametrize("pingpong", ["auto", "0"])
+def test_sm90_rescale_with_growing_max(dtype, causal, pingpong, fwd_path, tuning, record_property):
     _sm90_or_skip(fwd_path)
-    monkeypatch.setenv("FLASH_EXT_SM90_LAZY_RESCALE", lazy)
-    monkeypatch.setenv("FLASH_EXT_SM90_PINGPONG", pingpong)
+    tuning.set("FLASH_EXT_SM90_PINGPONG", pingpong)
     b, s, h, d = 2, 1000, 4, 128
     q, k, v = rand_qkv(b, s, s, h, h, d, dtype)
     ramp = torch.linspace(4.0, 0.1, s, device=k.device)[None, :, None, None]
@@ -460,7 +444,7 @@ def test_sm90_rescale_with_growing_max(dtype, lazy, causal, pingpong, fwd_path, 
     ref, ref_lse = attention_ref(q, k, v, causal=causal)
     pt, _ = attention_ref(q, k, v, upcast=False, causal=causal)
     out, lse = flash_ext.attn_fwd(q, k, v, causal=causal)
-    assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"LAZY_RESCALE={lazy} PINGPONG={pingpong}")
+    assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"PINGPONG={pingpong}")
 
 
 # Stream-K tail (sm90/stream_k.h): without a mask, on the persistent grid, the key blocks of the
@@ -472,7 +456,6 @@ SM90_STREAM_K_CASES = [
     (torch.float16, 3, 2048, 2048, 3, 3, 128, dict(), {}),        # whole tiles, then the tail
     (torch.bfloat16, 2, 1000, 1300, 8, 2, 128, dict(), {}),       # GQA, sk > sq, partial key block
     (torch.float16, 1, 700, 700, 5, 5, 128, dict(softcap=15.0), {}),
-    (torch.bfloat16, 1, 1000, 1000, 3, 3, 128, dict(), dict(TMA_STORE="0")),  # register epilogue
     (torch.bfloat16, 1, 1000, 1000, 3, 3, 128, dict(), dict(PINGPONG="0")),
     (torch.bfloat16, 1, 256, 8448, 1, 1, 128, dict(), {}),        # 2 tiles of 66 key blocks each
     (torch.float16, 1, 50, 20000, 1, 1, 128, dict(), {}),         # 1 tile over every SM
@@ -490,7 +473,7 @@ _SM90_TILE = {(64, "alt"): (192, 128), (64, "base"): (128, 128), (96, None): (12
 
 
 def _stream_k_splits(b, sq, sk, hq, d, tile):
-    """Whether the launch splits the tail when forced (FLASH_EXT_SM90_STREAM_K=1): tiles not a
+    """Whether the host splits the tail when forced (FLASH_EXT_SM90_STREAM_K=1): tiles not a
     multiple of the SMs, and at least one key block per SM in the tail."""
     block_m, block_n = _SM90_TILE[(d, tile)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -500,20 +483,20 @@ def _stream_k_splits(b, sq, sk, hq, d, tile):
 
 
 @pytest.mark.parametrize("case", SM90_STREAM_K_CASES, ids=lambda c: _case_id(c) + str(c[8]))
-def test_sm90_stream_k(case, fwd_path, monkeypatch, record_property):
+def test_sm90_stream_k(case, fwd_path, tuning, record_property):
     """Forced on: matches the reference, is deterministic (the pieces merge in CTA order, not
     arrival order), and differs in its bits from the whole-tile walk where the tail is split (so
     the split really ran). Auto (the default) matches the reference too."""
     _sm90_or_skip(fwd_path)
     dtype, b, sq, sk, hq, hkv, d, kw, env = case
     for name, value in env.items():
-        monkeypatch.setenv(f"FLASH_EXT_SM90_{name}", value)
+        tuning.set(f"FLASH_EXT_SM90_{name}", value)
     q, k, v = rand_qkv(b, sq, sk, hq, hkv, d, dtype)
     ref, ref_lse = attention_ref(q, k, v, **kw)
     pt, _ = attention_ref(q, k, v, upcast=False, **kw)
     results = {}
     for mode in ("1", "1", "0", "auto"):
-        monkeypatch.setenv("FLASH_EXT_SM90_STREAM_K", mode)
+        tuning.set("FLASH_EXT_SM90_STREAM_K", mode)
         out, lse = flash_ext.attn_fwd(q, k, v, **kw)
         assert_close_to_ref(out, lse, ref, ref_lse, pt, record_property, f"STREAM_K={mode} {env}")
         if mode in results:
@@ -525,11 +508,11 @@ def test_sm90_stream_k(case, fwd_path, monkeypatch, record_property):
             "STREAM_K=1 gave the whole-tile walk's lse bit for bit: the tail was not split"
 
 
-def test_sm90_stream_k_cuda_graph(fwd_path, monkeypatch):
+def test_sm90_stream_k_cuda_graph(fwd_path, tuning):
     """The stream-K tail in a CUDA graph: its workspace and the counters' memset are captured, and
     each replay (the counters zeroed again) matches an eager call on the new inputs bit for bit."""
     _sm90_or_skip(fwd_path)
-    monkeypatch.setenv("FLASH_EXT_SM90_STREAM_K", "1")
+    tuning.set("FLASH_EXT_SM90_STREAM_K", "1")
     b, s, h, d = 1, 1000, 3, 128
     q, k, v = rand_qkv(b, s, s, h, h, d, torch.bfloat16)
     side = torch.cuda.Stream()
@@ -550,28 +533,12 @@ def test_sm90_stream_k_cuda_graph(fwd_path, monkeypatch):
         torch.testing.assert_close(lse, expected_lse, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("var,value,message", [
-    ("FLASH_EXT_SM90_FWD_TILE", "huge", "FLASH_EXT_SM90_FWD_TILE must be auto, base or alt"),
-    ("FLASH_EXT_SM90_PINGPONG", "2", "FLASH_EXT_SM90_PINGPONG must be 0, 1 or tile"),
-    ("FLASH_EXT_SM90_LAZY_RESCALE", "yes", "FLASH_EXT_SM90_LAZY_RESCALE must be 0 or 1"),
-    ("FLASH_EXT_SM90_HEAD_SECTIONS", "on", "FLASH_EXT_SM90_HEAD_SECTIONS must be 0, 1, always or uneven"),
-    ("FLASH_EXT_SM90_PERSISTENT", "2", "FLASH_EXT_SM90_PERSISTENT must be auto, 0 or 1"),
-    ("FLASH_EXT_SM90_TMA_STORE", "yes", "FLASH_EXT_SM90_TMA_STORE must be 0 or 1"),
-    ("FLASH_EXT_SM90_ALIGN_END", "on", "FLASH_EXT_SM90_ALIGN_END must be 0 or 1"),
-    ("FLASH_EXT_SM90_STREAM_K", "yes", "FLASH_EXT_SM90_STREAM_K must be auto, 0 or 1"),
-    ("FLASH_EXT_FWD_PATH", "sm100", "FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"),
-])
-def test_sm90_switches_reject_unknown_values(var, value, message, monkeypatch):
-    monkeypatch.setenv(var, value)
-    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=message):
-        flash_ext.attn_fwd(q, q, q)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(64, 16))], ids=str)
-def test_sm90_switches_varlen(kw, fwd_path, monkeypatch):
-    """Varlen keeps the register epilogue whatever FLASH_EXT_SM90_TMA_STORE says (a TMA box
-    would write into the next sequence's rows); the grid switch applies as usual."""
+def test_sm90_switches_varlen(kw, fwd_path, tuning):
+    """Varlen takes the register epilogue (a TMA box would write into the next sequence's rows),
+    under each ping-pong mode."""
     _sm90_or_skip(fwd_path)
     lens_q = [0, 17, 300, 1000, 257, 1, 640]
     lens_k = [5, 17, 280, 1000, 300, 1, 640]
@@ -583,7 +550,7 @@ def test_sm90_switches_varlen(kw, fwd_path, monkeypatch):
     ref, ref_lse = attention_ref_varlen(q, k, v, cq, ck, **kw)
     pt, _ = attention_ref_varlen(q, k, v, cq, ck, upcast=False, **kw)
     _each_sm90_switch(
-        monkeypatch,
+        tuning,
         lambda: flash_ext.attn_fwd(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck,
                                    max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **kw),
         lambda out, lse, label: assert_close_to_ref(out, lse, ref, ref_lse, pt, None,
@@ -591,7 +558,7 @@ def test_sm90_switches_varlen(kw, fwd_path, monkeypatch):
 
 
 @pytest.mark.parametrize("d,causal", [(80, True), (64, False), (192, True)])
-def test_sm90_tma_store_stays_inside_out(d, causal, fwd_path, monkeypatch):
+def test_sm90_tma_store_stays_inside_out(d, causal, fwd_path, tuning):
     """out= a view into a NaN-filled buffer with extra rows and columns: the TMA store clips
     its boxes to out's rows (seqlen_q) and columns (head_dim < the kernel's 96 at d = 80), and
     every element of out is written."""
@@ -615,7 +582,7 @@ def test_sm90_tma_store_stays_inside_out(d, causal, fwd_path, monkeypatch):
         assert buf[..., d:].isnan().all(), f"{label}: wrote outside out's columns"
         assert_close_to_ref(dst, lse, ref, ref_lse, pt, None, f"out= {label}")
 
-    _each_sm90_switch(monkeypatch, run, check)
+    _each_sm90_switch(tuning, run, check)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,7 +783,7 @@ def test_build_info_lists_capabilities():
 def test_op_level_errors_raise_and_do_not_crash():
     """The C++ ops' own checks (reached when the Python layer is bypassed) raise RuntimeError with
     their full message. Messages with several parts (numbers, shapes) once crashed the process
-    on the GPU machine (csrc/api_common.h, FLASH_EXT_CHECK)."""
+    on the GPU machine (csrc/api/errors.h, FLASH_EXT_CHECK)."""
     ops = torch.ops.flash_ext
     q = torch.randn(1, 64, 3, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)

@@ -107,7 +107,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         name="fwd_sm90",
         header="sm90/fwd_launch.cuh",
-        function="flash_ext::run_fwd_sm90<{hdim}, {is_bf16}>(flash_ext::FwdParams&, cudaStream_t)",
+        function=("flash_ext::run_fwd_sm90<{hdim}, {is_bf16}>(const flash_ext::FwdParams&, "
+                  "const flash_ext::Sm90FwdConfig&, cudaStream_t)"),
         hdims=(64, 96, 128, 192, 256),
         needs_arch="90a",
     ),

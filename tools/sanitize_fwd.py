@@ -3,12 +3,12 @@
     compute-sanitizer --tool memcheck python tools/sanitize_fwd.py [sm80|sm90] [tiles [HEAD_DIM [TILE [PINGPONG]]]]
     compute-sanitizer --tool memcheck python tools/sanitize_fwd.py sm90 streamk
 
-TILE: alt or base; PINGPONG: 1, tile or "" (the launch's default); without them, all four.
+TILE: alt or base; PINGPONG: 1, 0 or auto (the default); without them, all four.
 
 tiles: instead, Hopper calls with more tiles than the GPU has SMs (persistent CTAs run several
 tiles: the Q slabs (at d = 256 also O's staging), the O tile, the tile ring and the ping-pong
 turns are reused across tiles), on both tiles of d = 64 and d = 256 (FLASH_EXT_SM90_FWD_TILE) and
-both carried and per-tile ping-pong (forced on: d = 256 has it off by default without a mask), causal and local (claimed
+ping-pong forced on (d = 256 has it off by default without a mask) and off, causal and local (claimed
 tiles) and not (static stride), each head dim in its default main-loop order (pv_mid up to
 d = 192, overlap at d = 256).
 
@@ -16,14 +16,20 @@ streamk: Hopper calls without a mask with the stream-K tail forced on (FLASH_EXT
 one partial wave, whole tiles then the tail, both d = 64 tiles, d = 256 (O staged in Q's slab) and
 one tile split over every SM (the pieces' workspace, counters and merge).
 """
-import os
 import sys
 
 import torch
 
 import flash_ext
 
-os.environ["FLASH_EXT_FWD_PATH"] = sys.argv[1] if len(sys.argv) > 1 else "sm90"
+
+def tune(name, value):
+    """Sets a tuning switch of the ops (they read the environment once per process)."""
+    torch.ops.flash_ext.set_tuning(name, value)
+
+
+path = sys.argv[1] if len(sys.argv) > 1 else "sm90"
+tune("FLASH_EXT_FWD_PATH", path)
 torch.manual_seed(0)
 dt = torch.bfloat16
 if len(sys.argv) > 2 and sys.argv[2] == "tiles":
@@ -32,11 +38,11 @@ if len(sys.argv) > 2 and sys.argv[2] == "tiles":
     # mode): racecheck at d = 256 does not finish all four combinations within a device call
     # (on an H100, 128 x 64 with per-tile ping-pong alone took over 411 s).
     tiles = [sys.argv[4]] if len(sys.argv) > 4 else ["alt", "base"]
-    pingpongs = [sys.argv[5]] if len(sys.argv) > 5 else ["1", "tile"]
+    pingpongs = [sys.argv[5]] if len(sys.argv) > 5 else ["1", "0"]
     for tile in tiles:
-        os.environ["FLASH_EXT_SM90_FWD_TILE"] = tile
+        tune("FLASH_EXT_SM90_FWD_TILE", tile)
         for pingpong in pingpongs:  # 1: turns carried across tiles
-            os.environ["FLASH_EXT_SM90_PINGPONG"] = pingpong
+            tune("FLASH_EXT_SM90_PINGPONG", pingpong)
             for d in [int(sys.argv[3])] if len(sys.argv) > 3 else (64, 128, 256):  # one: racecheck is slow
                 s = 700  # 4-6 query blocks per head, the last one partial
                 h = (sms + 3) // 4 + 1
@@ -49,11 +55,11 @@ if len(sys.argv) > 2 and sys.argv[2] == "tiles":
     print("sanitize_fwd tiles done")
     sys.exit(0)
 if len(sys.argv) > 2 and sys.argv[2] == "streamk":
-    os.environ["FLASH_EXT_SM90_STREAM_K"] = "1"
+    tune("FLASH_EXT_SM90_STREAM_K", "1")
     for d, b, sq, sk, h, tile in [(128, 1, 1000, 1000, 3, "alt"), (128, 3, 2048, 2048, 3, "alt"),
                                   (64, 2, 1000, 1000, 4, "alt"), (64, 2, 1000, 1000, 4, "base"),
                                   (256, 1, 1000, 999, 6, "alt"), (128, 1, 50, 20000, 1, "alt")]:
-        os.environ["FLASH_EXT_SM90_FWD_TILE"] = tile
+        tune("FLASH_EXT_SM90_FWD_TILE", tile)
         q = torch.randn(b, sq, h, d, device="cuda", dtype=dt)
         k = torch.randn(b, sk, h, d, device="cuda", dtype=dt)
         out, lse = flash_ext.attn_fwd(q, k, k)
@@ -75,4 +81,4 @@ k = torch.randn(int(lens.sum()), 2, 128, device="cuda", dtype=dt)
 flash_ext.attn_fwd(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
                    causal=True)
 torch.cuda.synchronize()
-print("sanitize_fwd done", os.environ["FLASH_EXT_FWD_PATH"])
+print("sanitize_fwd done", path)

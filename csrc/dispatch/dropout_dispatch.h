@@ -1,5 +1,5 @@
 // Declaration of the dropout-mask launcher (csrc/dropout_mask.cu), used by the
-// flash_ext::dropout_mask op in flash_api.cpp. No CUTLASS or torch types.
+// flash_ext::dropout_mask op in ops_dropout.cpp. No CUTLASS or torch types.
 #pragma once
 #include <cuda_runtime.h>
 

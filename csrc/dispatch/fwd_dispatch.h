@@ -1,7 +1,10 @@
-// Declarations of the forward launchers, one instantiation per (head dim, dtype) in
-// csrc/instantiations/. flash_api.cpp includes this (no CUTLASS types here).
+// Declarations of the forward launchers, one explicit instantiation per (head dim, dtype) in
+// csrc/instantiations/ (kernel translation units). The host picks one through
+// dispatch/paths.cpp. No CUTLASS or torch types here.
 #pragma once
 #include <cuda_runtime.h>
+
+#include "tuning/heuristics.h"
 #include "params.h"
 
 namespace flash_ext {
@@ -10,12 +13,9 @@ namespace flash_ext {
 template <int kHeadDim, bool kIsBf16>
 void run_fwd_sm80(FwdParams& params, cudaStream_t stream);
 
-}  // namespace flash_ext
-
-namespace flash_ext {
-
-// FlashAttention-3 style kernel (TMA, wgmma, warp specialization); sm_90a only.
+// FlashAttention-3 style kernel (TMA, wgmma, warp specialization); sm_90a only. Runs the call
+// as `config` says (choose_sm90_fwd_config); params carry its resolved schedule and buffers.
 template <int kHeadDim, bool kIsBf16>
-void run_fwd_sm90(FwdParams& params, cudaStream_t stream);
+void run_fwd_sm90(const FwdParams& params, const Sm90FwdConfig& config, cudaStream_t stream);
 
 }  // namespace flash_ext

@@ -1,0 +1,158 @@
+// The backward op, flash_ext::bwd: checks (api/checks.h), common parameters (api/params_fill.h),
+// the kernel choice (dispatch/paths.h), the work buffers, the launch and the reduction of the
+// GQA gradients. See docs/kernels-sm80-bwd.md for the buffers (dQ accumulator, GQA expansion,
+// deterministic mode) and their memory cost.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "api/checks.h"
+#include "api/params_fill.h"
+#include "device_info.h"
+#include "dispatch/bwd_dispatch.h"
+#include "dispatch/paths.h"
+#include "tuning/heuristics.h"
+#include "params.h"
+#include "tuning/overrides.h"
+
+namespace flash_ext {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse_in, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+    bool deterministic, double dropout_p, const std::optional<at::Tensor>& rng_state) {
+  const AttnShape s = check_attention_inputs({q, k, v, out, &dout, &lse_in}, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k, softmax_scale, softcap, window_left,
+                                             window_right);
+  const bool varlen = s.varlen;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int kd = sm80_bwd_kernel_head_dim(s.head_dim);
+  const at::Tensor lse = lse_in.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  const int r = varlen ? 0 : 1;  // index of the seqlen dim
+
+  BwdParams p{};
+  fill_common_params(p, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left,
+                     window_right, softcap, dropout_p, rng_state);  // dropout: the forward's mask, regenerated
+  p.lse = lse.data_ptr<float>();
+  p.dout = dout.data_ptr();
+  p.do_row_stride = dout.stride(r);
+  p.do_head_stride = dout.stride(r + 1);
+  p.do_batch_stride = varlen ? 0 : dout.stride(0);
+  p.deterministic = deterministic;
+  const DeviceInfo& dev = device_info(q.get_device());
+  const TuningOverrides overrides = tuning_overrides();
+  p.variant = overrides.bwd_variant;
+  const KernelChoice kernel = choose_bwd_kernel(p, dev, overrides);
+  const bool sm90 = kernel.path == KernelPath::kSm90;
+
+  // D = rowsum(dO * O), laid out like lse (contiguous). The Hopper kernel reads D and lse * log2(e)
+  // from (batch, heads_q, seqlen_q rounded up) buffers that its preprocess kernel fills.
+  at::Tensor dsum, lse_log2;
+  if (sm90) {
+    p.seqlen_q_padded = int((s.seqlen_q + kBwdSm90PadRows - 1) / kBwdSm90PadRows * kBwdSm90PadRows);
+    dsum = at::empty({s.batch, s.heads_q, p.seqlen_q_padded}, f32);
+    lse_log2 = at::empty({s.batch, s.heads_q, p.seqlen_q_padded}, f32);
+    p.lse_log2 = lse_log2.data_ptr<float>();
+  } else {
+    dsum = at::empty_like(lse);
+  }
+  p.dsum = dsum.data_ptr<float>();
+
+  at::Tensor dq_accum, dq_sm90;
+  if (sm90) {
+    // Tiles of the Hopper kernel (BwdParams::dq, sm90/bwd_kernel.cuh), zeroed by its preprocess
+    // kernel; its convert kernel writes dq (laid out like q) directly.
+    dq_accum = at::empty({s.batch, s.heads_q, p.seqlen_q_padded, int64_t(kernel.kernel_head_dim)}, f32);
+    dq_sm90 = at::empty(q.sizes(), q.options());
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq = dq_sm90.data_ptr();
+    p.dq_batch_stride = dq_sm90.stride(0);
+    p.dq_row_stride = dq_sm90.stride(r);
+    p.dq_head_stride = dq_sm90.stride(r + 1);
+  } else {
+    // fp32 dQ accumulator shaped like q (contiguous), zeroed here. Deterministic: one slice per
+    // key block of the main kernel, summed below in a fixed order.
+    int64_t n_splits = 1;
+    if (deterministic) {
+      const BwdTile tile = choose_bwd_sm80_tile(kd, dev, overrides);
+      n_splits = std::max<int64_t>(1, (s.seqlen_k + tile.block_n - 1) / tile.block_n);
+    }
+    std::vector<int64_t> dqa_shape(q.sizes().begin(), q.sizes().end());
+    if (deterministic) dqa_shape.insert(dqa_shape.begin(), n_splits);
+    dq_accum = at::zeros(dqa_shape, f32);
+    const int o = deterministic ? 1 : 0;  // dims of dq_accum are offset by the split dim
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq_split_stride = deterministic ? dq_accum.stride(0) : 0;
+    p.dqa_batch_stride = varlen ? 0 : dq_accum.stride(o);
+    p.dqa_row_stride = dq_accum.stride(o + r);
+    p.dqa_head_stride = dq_accum.stride(o + r + 1);
+  }
+
+  // dK, dV in the input dtype. GQA/MQA: the kernel writes one gradient per query head into
+  // expanded (.., heads_q, d) buffers, summed over each group of heads_q / heads_kv below.
+  const bool expand = s.heads_q != s.heads_kv;
+  std::vector<int64_t> kv_shape(k.sizes().begin(), k.sizes().end());
+  if (expand) kv_shape[kv_shape.size() - 2] = s.heads_q;
+  // Varlen: tokens outside every sequence (none when cu_seqlens_k[-1] == total_k) are not written.
+  at::Tensor dk_buf = varlen ? at::zeros(kv_shape, q.options()) : at::empty(kv_shape, q.options());
+  at::Tensor dv_buf = varlen ? at::zeros(kv_shape, q.options()) : at::empty(kv_shape, q.options());
+  p.dk = dk_buf.data_ptr();
+  p.dv = dv_buf.data_ptr();
+  p.dk_batch_stride = varlen ? 0 : dk_buf.stride(0);
+  p.dk_row_stride = dk_buf.stride(r);
+  p.dk_head_stride = dk_buf.stride(r + 1);
+  p.dv_batch_stride = varlen ? 0 : dv_buf.stride(0);
+  p.dv_row_stride = dv_buf.stride(r);
+  p.dv_head_stride = dv_buf.stride(r + 1);
+
+  const bool launched = p.batch > 0 && q.numel() > 0 && k.numel() > 0;
+  if (launched) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    run_bwd(kernel, p, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else if (!varlen) {
+    dk_buf.zero_();
+    dv_buf.zero_();
+  }
+
+  at::Tensor dq;
+  if (sm90) {
+    // Written by the Hopper kernels only when they ran (batch, heads or seqlen_q may be 0).
+    dq = launched ? dq_sm90 : dq_sm90.zero_();
+  } else {
+    dq = (deterministic ? dq_accum.sum(0) : dq_accum).to(q.scalar_type());
+  }
+  at::Tensor dk = dk_buf, dv = dv_buf;
+  if (expand) {
+    std::vector<int64_t> grouped(kv_shape);
+    grouped[grouped.size() - 2] = s.heads_kv;
+    grouped.insert(grouped.end() - 1, s.heads_q / s.heads_kv);
+    dk = dk_buf.view(grouped).sum(-2);
+    dv = dv_buf.view(grouped).sum(-2);
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace flash_ext
+
+TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
+      "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
+      "int window_left, int window_right, float softcap, bool deterministic, float dropout_p=0.0, "
+      "Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("bwd", &flash_ext::bwd); }
