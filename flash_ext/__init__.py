@@ -127,9 +127,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, out, varlen: bool,
                    dropout_p: float, rng_state):
-    """attn_fwd after the checks: (out, lse)."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-
+    """attn_fwd after the checks: (out, lse). Differentiable through flash_ext::fwd's autograd
+    formula, which reads `deterministic` from the op's arguments."""
     d = q.shape[-1]
     args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
     if varlen:
@@ -139,14 +138,9 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
     else:
         mq = mk = 0
 
-    if not needs_grad and ops._nothing_to_do(q, k, varlen, mq, mk):
+    if ops._nothing_to_do(q, k, varlen, mq, mk):
         # Nothing to launch: no query rows, or no key at all (every row fully masked).
-        # (The differentiable path below does the same inside flash_ext::attn.)
-        lse = torch.full(ops._lse_shape(q, cu_seqlens_q), float("-inf"), dtype=torch.float32,
-                         device=q.device)
-        if out is None:
-            return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse
-        return out.zero_(), lse
+        return ops._no_attention(q, k, v, cu_seqlens_q, out)
 
     d_pad = _padded_head_dim(d)
     if d_pad != d:
@@ -156,24 +150,14 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
     else:
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
 
-    if needs_grad:
-        # The differentiable path. The C++ fwd op carries its own autograd formula (with
-        # deterministic=False); flash_ext::attn, a Python custom op around it, records
-        # `deterministic` for the backward and handles the calls with nothing to launch. The
-        # extra layer costs ~100 us of host time per call (docs/perf-notes.md), so it is taken
-        # only where it is needed.
-        if not deterministic and not ops._nothing_to_do(q, k, varlen, mq, mk):
-            o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p, rng_state)
-        else:
-            o, lse = ops._attn(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args,
-                               bool(deterministic), dropout_p, rng_state)
-        return (o[..., :d] if d_pad != d else o), lse
-
+    # out= is never differentiable here (attn_fwd's checks reject it with inputs that require
+    # grad), so writing in place is safe.
     if out is not None and d_pad == d and _is_aligned(out):
         lse = ops._fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p,
                            rng_state)
         return out, lse
-    o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p, rng_state)
+    o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p, rng_state,
+                      bool(deterministic))
     if d_pad != d:
         o = o[..., :d]
     if out is not None:
