@@ -105,13 +105,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     varlen = _validation.check_fwd_inputs(
         q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, out=out)
-    _validation.check_dropout(dropout_p, rng_state)
+        max_seqlen_k=max_seqlen_k, out=out, dropout_p=dropout_p, rng_state=rng_state)
     dropout_p = float(dropout_p)
-    if out is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise RuntimeError(
-            "flash_ext.attn_fwd: out= does not support automatic differentiation (one of q, k, "
-            "v requires grad); call it without out=")
     if dropout_p > 0.0:
         if rng_state is None:
             rng_state = ops._dropout_rng_state(q)
@@ -150,8 +145,7 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
     else:
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
 
-    # out= is never differentiable here (attn_fwd's checks reject it with inputs that require
-    # grad), so writing in place is safe.
+    # out= is never differentiable here (check_out_without_grad), so writing in place is safe.
     if out is not None and d_pad == d and _is_aligned(out):
         lse = ops._fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p,
                            rng_state)
@@ -205,8 +199,8 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     varlen = _validation.check_bwd_inputs(
         dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq=dq, dk=dk, dv=dv)
-    _validation.check_dropout(dropout_p, rng_state, need_rng_state=True)
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq=dq, dk=dk, dv=dv,
+        dropout_p=dropout_p, rng_state=rng_state)
     dropout_p = float(dropout_p)
     if dropout_p == 0.0:
         rng_state = None

@@ -70,7 +70,8 @@ def meta_ok(monkeypatch):
     from flash_ext import _validation as V
     orig = V.check_devices
     monkeypatch.setattr(V, "check_devices",
-                        lambda tensors, require_cuda=True: orig(tensors, require_cuda=False))
+                        lambda tensors, require_cuda=True, **kw: orig(tensors, require_cuda=False,
+                                                                       **kw))
 
 
 def meta(*shape, dtype=torch.bfloat16, requires_grad=False):
