@@ -30,6 +30,11 @@ def _extension_built() -> bool:
 
 
 EXTENSION_BUILT = _extension_built()
+if not EXTENSION_BUILT and os.environ.get("FLASH_EXT_TESTS_REQUIRE_EXT", "0") not in ("", "0"):
+    # For runs that must test the build (CI, GPU checks): no silent fallback to the stand-in.
+    raise RuntimeError("FLASH_EXT_TESTS_REQUIRE_EXT is set but flash_ext._C is not built next to "
+                       "the flash_ext package (build it in place: python setup.py build_ext "
+                       "--inplace)")
 if not EXTENSION_BUILT:
     import stand_in_ops  # tests/ is on sys.path (pytest's rootdir-relative import of conftest)
     stand_in_ops.install()
