@@ -105,13 +105,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     varlen = _validation.check_fwd_inputs(
         q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, out=out)
-    _validation.check_dropout(dropout_p, rng_state)
+        max_seqlen_k=max_seqlen_k, out=out, dropout_p=dropout_p, rng_state=rng_state)
     dropout_p = float(dropout_p)
-    if out is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise RuntimeError(
-            "flash_ext.attn_fwd: out= does not support automatic differentiation (one of q, k, "
-            "v requires grad); call it without out=")
     if dropout_p > 0.0:
         if rng_state is None:
             rng_state = ops._dropout_rng_state(q)
@@ -127,9 +122,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, out, varlen: bool,
                    dropout_p: float, rng_state):
-    """attn_fwd after the checks: (out, lse)."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-
+    """attn_fwd after the checks: (out, lse). Differentiable through flash_ext::fwd's autograd
+    formula, which reads `deterministic` from the op's arguments."""
     d = q.shape[-1]
     args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
     if varlen:
@@ -139,14 +133,9 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
     else:
         mq = mk = 0
 
-    if not needs_grad and ops._nothing_to_do(q, k, varlen, mq, mk):
+    if ops._nothing_to_do(q, k, varlen, mq, mk):
         # Nothing to launch: no query rows, or no key at all (every row fully masked).
-        # (The differentiable path below does the same inside flash_ext::attn.)
-        lse = torch.full(ops._lse_shape(q, cu_seqlens_q), float("-inf"), dtype=torch.float32,
-                         device=q.device)
-        if out is None:
-            return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse
-        return out.zero_(), lse
+        return ops._no_attention(q, k, v, cu_seqlens_q, out)
 
     d_pad = _padded_head_dim(d)
     if d_pad != d:
@@ -156,24 +145,13 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
     else:
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
 
-    if needs_grad:
-        # The differentiable path. The C++ fwd op carries its own autograd formula (with
-        # deterministic=False); flash_ext::attn, a Python custom op around it, records
-        # `deterministic` for the backward and handles the calls with nothing to launch. The
-        # extra layer costs ~100 us of host time per call (docs/perf-notes.md), so it is taken
-        # only where it is needed.
-        if not deterministic and not ops._nothing_to_do(q, k, varlen, mq, mk):
-            o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p, rng_state)
-        else:
-            o, lse = ops._attn(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args,
-                               bool(deterministic), dropout_p, rng_state)
-        return (o[..., :d] if d_pad != d else o), lse
-
+    # out= is never differentiable here (check_out_without_grad), so writing in place is safe.
     if out is not None and d_pad == d and _is_aligned(out):
         lse = ops._fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p,
                            rng_state)
         return out, lse
-    o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p, rng_state)
+    o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p, rng_state,
+                      bool(deterministic))
     if d_pad != d:
         o = o[..., :d]
     if out is not None:
@@ -221,8 +199,8 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     varlen = _validation.check_bwd_inputs(
         dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq=dq, dk=dk, dv=dv)
-    _validation.check_dropout(dropout_p, rng_state, need_rng_state=True)
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq=dq, dk=dk, dv=dv,
+        dropout_p=dropout_p, rng_state=rng_state)
     dropout_p = float(dropout_p)
     if dropout_p == 0.0:
         rng_state = None

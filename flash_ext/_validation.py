@@ -1,17 +1,24 @@
-"""Checks on user input, run by the Python layer before anything is launched.
+"""Every check on user input, run by the Python layer before anything is launched. Each check
+lives here once; the entry points (flash_ext.attn_fwd, attn_bwd and the FlashAttention-compatible
+functions of flash_ext.interface) only call them.
 
 Every check raises a clear Python error naming the offending argument:
 
-- ``TypeError`` for a wrong dtype or a wrong argument type,
+- ``TypeError`` for a wrong dtype or a wrong argument type (a non-tensor, a missing tensor),
 - ``ValueError`` for bad values and shapes,
 - :class:`DeviceError` (a subclass of both ``ValueError`` and ``RuntimeError``) for tensors
-  that are not on CUDA or not on one device.
+  that are not on CUDA or not on one device,
+- ``NotImplementedError`` for FlashAttention features flash_ext does not have,
+- ``RuntimeError`` for ``out=`` with inputs that require grad.
 
 Each check is a small function that can be tested on its own (tests pass
 ``require_cuda=False`` to reach the checks behind the device check on a CPU-only machine).
-:func:`check_fwd_inputs` runs them all, device check first, so a call with CPU tensors raises
-the device error before anything touches CUDA; :func:`check_bwd_inputs` does the same for the
-backward (the forward's checks plus dout, out, lse and the optional dq/dk/dv outputs).
+:func:`check_devices` is the only one that looks at what kind of object a tensor argument is and
+where it lives; the others take its word for it. :func:`check_fwd_inputs` runs them all:
+dropout_p and rng_state first (plain arguments, so a bad value is reported whatever the
+tensors), then the devices, so a call with CPU tensors raises the device error before anything
+touches CUDA, then the rest. :func:`check_bwd_inputs` does the same for the backward (the
+forward's checks plus dout, out, lse and the optional dq/dk/dv outputs).
 
 Host synchronisation. The op path must not synchronise with the GPU (CUDA graphs capture it,
 and syncs cost latency). The only checks that need tensor *values* are those on
@@ -50,11 +57,13 @@ __all__ = [
     "check_softcap",
     "check_window_size",
     "check_dropout",
-    "check_out",
     "check_like",
+    "check_out_without_grad",
     "check_lse",
     "check_fwd_inputs",
     "check_bwd_inputs",
+    "check_unsupported",
+    "check_packed",
 ]
 
 MAX_HEADDIM = 256
@@ -92,14 +101,17 @@ def _is_number(x) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def check_devices(tensors: dict, *, require_cuda: bool = True) -> None:
-    """``tensors`` maps argument names to tensors (None entries are skipped).
+def check_devices(tensors: dict, *, require_cuda: bool = True, required=()) -> None:
+    """``tensors`` maps argument names to tensors; None entries are skipped (optional
+    arguments), except those named in ``required``.
 
-    Raises TypeError for a non-tensor, DeviceError for a non-CUDA tensor (when ``require_cuda``)
-    or for tensors on different devices."""
+    Raises TypeError for a non-tensor or a missing required one, DeviceError for a non-CUDA
+    tensor (when ``require_cuda``) or for tensors on different devices."""
     first_name, first_dev = None, None
     for name, t in tensors.items():
         if t is None:
+            if name in required:
+                raise TypeError(f"flash_ext: {name} must be a torch.Tensor, got None")
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flash_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -168,12 +180,12 @@ def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: 
                 f"strides {tuple(t.stride())}. Call .contiguous() on it first.")
 
 
-def check_cu_seqlens(cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
-                     device: Optional[torch.device] = None) -> bool:
+def check_cu_seqlens(cu_seqlens_q: Optional[torch.Tensor],
+                     cu_seqlens_k: Optional[torch.Tensor]) -> bool:
     """Metadata checks of cu_seqlens (no values read). Returns True for a varlen call.
 
     Both or neither must be given; each int32, 1-D, with at least 2 entries (batch >= 1),
-    the same length, on ``device`` (q's device) when given."""
+    the same length. (That they are tensors on q's device is :func:`check_devices`'s part.)"""
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         given = "cu_seqlens_q" if cu_seqlens_q is not None else "cu_seqlens_k"
         raise ValueError(
@@ -182,8 +194,6 @@ def check_cu_seqlens(cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optiona
     if cu_seqlens_q is None:
         return False
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"flash_ext: {name} must be a torch.Tensor, got {type(cu).__name__}")
         if cu.dtype != torch.int32:
             raise TypeError(f"flash_ext: {name} must be int32; got {_dtype_name(cu.dtype)}")
         if cu.dim() != 1:
@@ -191,9 +201,6 @@ def check_cu_seqlens(cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optiona
         if cu.shape[0] < 2:
             raise ValueError(
                 f"flash_ext: {name} must have batch + 1 >= 2 entries; got shape {_shape(cu)}")
-        if device is not None and cu.device != device:
-            raise DeviceError(
-                f"flash_ext: {name} must be on the same device as q ({device}); got {cu.device}")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(
             f"flash_ext: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
@@ -333,29 +340,11 @@ def check_window_size(window_size) -> None:
                 f"flash_ext: window_size {side} must be >= -1 (-1 = unbounded); got {w}")
 
 
-def check_out(out: Optional[torch.Tensor], q: torch.Tensor) -> None:
-    """``out=`` must be a tensor of q's shape, dtype and device (any strides are accepted)."""
-    if out is None:
-        return
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"flash_ext: out must be a torch.Tensor; got {type(out).__name__}")
-    if out.dtype != q.dtype:
-        raise TypeError(
-            f"flash_ext: out must have q's dtype ({_dtype_name(q.dtype)}); got "
-            f"{_dtype_name(out.dtype)}")
-    if out.shape != q.shape:
-        raise ValueError(f"flash_ext: out must have q's shape {_shape(q)}; got {_shape(out)}")
-    if out.device != q.device:
-        raise DeviceError(f"flash_ext: out must be on q's device ({q.device}); got {out.device}")
-
-
 def check_like(t: Optional[torch.Tensor], ref: torch.Tensor, name: str, ref_name: str) -> None:
-    """``t`` (skipped when None) must be a tensor of ``ref``'s shape, dtype and device, e.g.
-    dout and out like q, or dk= like k (any strides are accepted)."""
+    """``t`` (skipped when None) must have ``ref``'s shape and dtype, e.g. out= and dout like q,
+    or dk= like k (any strides are accepted; :func:`check_devices` has checked the device)."""
     if t is None:
         return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"flash_ext: {name} must be a torch.Tensor; got {type(t).__name__}")
     if t.dtype != ref.dtype:
         raise TypeError(
             f"flash_ext: {name} must have {ref_name}'s dtype ({_dtype_name(ref.dtype)}); got "
@@ -363,16 +352,22 @@ def check_like(t: Optional[torch.Tensor], ref: torch.Tensor, name: str, ref_name
     if t.shape != ref.shape:
         raise ValueError(
             f"flash_ext: {name} must have {ref_name}'s shape {_shape(ref)}; got {_shape(t)}")
-    if t.device != ref.device:
-        raise DeviceError(
-            f"flash_ext: {name} must be on {ref_name}'s device ({ref.device}); got {t.device}")
+
+
+def check_out_without_grad(out: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor) -> None:
+    """``out=`` is not differentiable (the op that writes it has no autograd formula): refuse it
+    when a gradient may be needed (RuntimeError)."""
+    if out is not None and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad):
+        raise RuntimeError(
+            "flash_ext.attn_fwd: out= does not support automatic differentiation (one of q, k, "
+            "v requires grad); call it without out=")
 
 
 def check_lse(lse: torch.Tensor, q: torch.Tensor, varlen: bool) -> None:
     """``lse`` as the forward returned it: float32, (batch, nheads_q, seqlen_q) or varlen
     (nheads_q, total_q)."""
-    if not isinstance(lse, torch.Tensor):
-        raise TypeError(f"flash_ext: lse must be a torch.Tensor; got {type(lse).__name__}")
     if lse.dtype != torch.float32:
         raise TypeError(
             f"flash_ext: lse must be float32 (as the forward returns it); got "
@@ -394,19 +389,58 @@ def check_lse(lse: torch.Tensor, q: torch.Tensor, varlen: bool) -> None:
 
 def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] = (-1, -1),
                      softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                     max_seqlen_q=None, max_seqlen_k=None, out=None,
-                     require_cuda: bool = True) -> bool:
-    """All checks of one forward call, device first. Returns True for a varlen call."""
+                     max_seqlen_q=None, max_seqlen_k=None, out=None, dropout_p=0.0,
+                     rng_state=None, require_cuda: bool = True) -> bool:
+    """All checks of one forward call (attn_fwd), in the order of the module docstring.
+    Returns True for a varlen call."""
+    check_dropout(dropout_p, rng_state)
     check_devices({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
-                   "cu_seqlens_k": cu_seqlens_k, "out": out}, require_cuda=require_cuda)
+                   "cu_seqlens_k": cu_seqlens_k, "out": out}, require_cuda=require_cuda,
+                  required=("q", "k", "v"))
+    varlen = _check_attention_inputs(q, k, v, softmax_scale, window_size, softcap, cu_seqlens_q,
+                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_like(out, q, "out", "q")
+    check_out_without_grad(out, q, k, v)
+    return varlen
+
+
+def check_bwd_inputs(dout, q, k, v, out, lse, *, softmax_scale=None,
+                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                     dq=None, dk=None, dv=None, dropout_p=0.0, rng_state=None,
+                     require_cuda: bool = True) -> bool:
+    """All checks of one backward call (attn_bwd), in the forward's order: dropout (with the
+    forward's rng_state required when dropout_p > 0), devices, the forward's checks on q, k, v
+    and the arguments, then dout and out (q's shape and dtype), lse (float32, the forward's lse
+    shape) and the optional dq, dk, dv outputs (like q, k, v). dout, out, dq, dk, dv may have
+    any strides. Returns True for a varlen call."""
+    check_dropout(dropout_p, rng_state, need_rng_state=True)
+    check_devices({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                   "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "dq": dq,
+                   "dk": dk, "dv": dv}, require_cuda=require_cuda,
+                  required=("dout", "q", "k", "v", "out", "lse"))
+    varlen = _check_attention_inputs(q, k, v, softmax_scale, window_size, softcap, cu_seqlens_q,
+                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_like(dout, q, "dout", "q")
+    check_like(out, q, "out", "q")
+    check_lse(lse, q, varlen)
+    check_like(dq, q, "dq", "q")
+    check_like(dk, k, "dk", "k")
+    check_like(dv, v, "dv", "v")
+    return varlen
+
+
+def _check_attention_inputs(q, k, v, softmax_scale, window_size, softcap, cu_seqlens_q,
+                            cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
+    """The checks both directions share, after check_devices: q, k, v, cu_seqlens (metadata,
+    then values where allowed), max_seqlen and the scalars. Returns True for a varlen call."""
     check_dtypes(q, k, v)
-    varlen = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.device)
+    varlen = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     check_qkv_shapes(q, k, v, varlen)
     check_max_seqlen(max_seqlen_q, max_seqlen_k, varlen)
     check_softmax_scale(softmax_scale)
     check_softcap(softcap)
     check_window_size(window_size)
-    check_out(out, q)
     if varlen:
         for name, cu, total, m in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
                                    ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
@@ -415,28 +449,24 @@ def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] 
     return varlen
 
 
-def check_bwd_inputs(dout, q, k, v, out, lse, *, softmax_scale=None,
-                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                     dq=None, dk=None, dv=None, require_cuda: bool = True) -> bool:
-    """All checks of one backward call, device first: the forward's checks on q, k, v and the
-    arguments, then dout and out (q's shape and dtype), lse (float32, the forward's lse shape)
-    and the optional dq, dk, dv outputs (like q, k, v). dout, out, dq, dk, dv may have any
-    strides. Returns True for a varlen call."""
-    check_devices({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
-                   "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "dq": dq,
-                   "dk": dk, "dv": dv}, require_cuda=require_cuda)
-    for name, t in (("dout", dout), ("out", out), ("lse", lse)):
-        if t is None:
-            raise TypeError(f"flash_ext: {name} must be a torch.Tensor, got None")
-    varlen = check_fwd_inputs(q, k, v, softmax_scale=softmax_scale, window_size=window_size,
-                              softcap=softcap, cu_seqlens_q=cu_seqlens_q,
-                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                              max_seqlen_k=max_seqlen_k, require_cuda=require_cuda)
-    check_like(dout, q, "dout", "q")
-    check_like(out, q, "out", "q")
-    check_lse(lse, q, varlen)
-    check_like(dq, q, "dq", "q")
-    check_like(dk, k, "dk", "k")
-    check_like(dv, v, "dv", "v")
-    return varlen
+# ----------------------------------------------------------------------------------------------
+# The FlashAttention-compatible functions (flash_ext.interface): their own arguments, checked
+# before attn_fwd's checks
+# ----------------------------------------------------------------------------------------------
+
+
+def check_unsupported(fn: str, alibi_slopes, block_table=None) -> None:
+    """FlashAttention arguments flash_ext does not implement (NotImplementedError)."""
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"flash_ext.{fn}: alibi_slopes are not supported yet")
+    if block_table is not None:
+        raise NotImplementedError(
+            f"flash_ext.{fn}: block_table (paged KV cache) is not supported yet")
+
+
+def check_packed(fn: str, name: str, t, dim: int, n: int, ndim: int, layout: str) -> None:
+    """A packed kv / qkv argument: an ``ndim``-D tensor with ``n`` entries along ``dim``
+    (ValueError naming the expected ``layout`` otherwise)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != ndim or t.shape[dim] != n:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"flash_ext.{fn}: {name} must have shape {layout}; got {shape}")

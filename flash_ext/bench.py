@@ -26,9 +26,9 @@ each backend's median round, so that clock and power drift during a config hit a
 instead of whichever ran last. The order of the turns (--order) is by default serially balanced:
 over 8 rounds of the 4 backends each one runs right after every other backend twice, and twice
 right after itself (its turn ends one round and opens the next). A burst's clock depends on the
-power drawn just before it, so a fixed cyclic order (--order rotated, what the grids of sessions
-1-14 used) timed each backend after the same neighbour in most rounds: SDPA cuDNN always after
-SDPA flash, a backend that draws less power, and flash_ext after cuDNN. Use a multiple of 8
+power drawn just before it, so a fixed cyclic order (--order rotated) times each backend after
+the same neighbour in most rounds: SDPA cuDNN always after SDPA flash, a backend that draws less
+power, and flash_ext after cuDNN. Use a multiple of 8
 rounds for the full balance. --gap-s S idles S seconds before each backend's turn. Each timed
 turn is kept in the JSON (`samples`: round, backend, the backend timed right before it, median
 ms), and tools/carryover.py tabulates a backend's times by that neighbour. The L2 cache is not
@@ -276,7 +276,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--order", choices=tuple(ORDERS), default="balanced",
                    help="order of the backends' turns in each round: balanced (default: each "
                         "backend right after every backend, itself included, equally often "
-                        "over 8 rounds) or rotated (the cyclic order of the grids of sessions 1-14)")
+                        "over 8 rounds) or rotated (one fixed cyclic order)")
     p.add_argument("--gap-s", type=float, default=0.0,
                    help="seconds idle before each backend's turn (default 0)")
     p.add_argument("--out", default="bench_out", help="directory for the JSON and PNG")

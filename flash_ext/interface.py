@@ -7,8 +7,8 @@
 Layouts: q (batch, seqlen, nheads, headdim); kv packed (batch, seqlen_k, 2, nheads_kv, headdim);
 qkv packed (batch, seqlen, 3, nheads, headdim); varlen (total_tokens, nheads, headdim) with
 int32 cu_seqlens. With ``return_attn_probs=True`` the functions return ``(out, lse, S_dmask)``:
-lse is (batch, nheads, seqlen_q) or varlen (nheads, total_q). S_dmask is None without dropout
-(as before); with dropout_p > 0 it is a float32 (batch, nheads, seqlen_q, seqlen_k) tensor (varlen:
+lse is (batch, nheads, seqlen_q) or varlen (nheads, total_q). S_dmask is None without dropout;
+with dropout_p > 0 it is a float32 (batch, nheads, seqlen_q, seqlen_k) tensor (varlen:
 (batch, nheads, max_seqlen_q, max_seqlen_k), each sequence in its top-left corner) of the
 dropped-out, normalized probabilities P * keep / (1 - dropout_p): 0 where dropped or masked, so
 that out = S_dmask @ v up to rounding. It is built from the kernel's own mask (the
@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from flash_ext import attn_fwd, ops
+from flash_ext import _validation, attn_fwd, ops
 from flash_ext.reference import local_mask
 
 __all__ = [
@@ -47,21 +47,8 @@ __all__ = [
 ]
 
 
-def _check_unsupported(fn: str, dropout_p, alibi_slopes, block_table=None) -> None:
-    if (not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool)
-            or not 0.0 <= dropout_p <= 1.0):
-        raise ValueError(f"flash_ext.{fn}: dropout_p must be a number in [0, 1]; got {dropout_p!r}")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"flash_ext.{fn}: alibi_slopes are not supported yet")
-    if block_table is not None:
-        raise NotImplementedError(
-            f"flash_ext.{fn}: block_table (paged KV cache) is not supported yet")
-
-
 def _unpack(fn: str, name: str, t: torch.Tensor, dim: int, n: int, ndim: int, layout: str):
-    if not isinstance(t, torch.Tensor) or t.dim() != ndim or t.shape[dim] != n:
-        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"flash_ext.{fn}: {name} must have shape {layout}; got {shape}")
+    _validation.check_packed(fn, name, t, dim, n, ndim, layout)
     return t.unbind(dim)
 
 
@@ -126,7 +113,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """q (b, sq, hq, d), k and v (b, sk, hkv, d) -> out (b, sq, hq, d)
     [or (out, lse, S_dmask) with return_attn_probs]."""
-    _check_unsupported("flash_attn_func", dropout_p, alibi_slopes)
+    _validation.check_unsupported("flash_attn_func", alibi_slopes)
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,
                 deterministic=deterministic)
@@ -137,7 +124,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              deterministic=False, return_attn_probs=False):
     """q (b, sq, hq, d), kv (b, sk, 2, hkv, d) -> out (b, sq, hq, d)."""
     fn = "flash_attn_kvpacked_func"
-    _check_unsupported(fn, dropout_p, alibi_slopes)
+    _validation.check_unsupported(fn, alibi_slopes)
     k, v = _unpack(fn, "kv", kv, 2, 2, 5, "(batch, seqlen_k, 2, nheads_kv, headdim)")
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,
@@ -149,7 +136,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               deterministic=False, return_attn_probs=False):
     """qkv (b, s, 3, h, d) -> out (b, s, h, d)."""
     fn = "flash_attn_qkvpacked_func"
-    _check_unsupported(fn, dropout_p, alibi_slopes)
+    _validation.check_unsupported(fn, alibi_slopes)
     q, k, v = _unpack(fn, "qkv", qkv, 2, 3, 5, "(batch, seqlen, 3, nheads, headdim)")
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,
@@ -162,7 +149,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """q (total_q, hq, d), k and v (total_k, hkv, d), cu_seqlens int32 (batch + 1,)
     -> out (total_q, hq, d) [or (out, lse (hq, total_q), S_dmask)]."""
-    _check_unsupported("flash_attn_varlen_func", dropout_p, alibi_slopes, block_table)
+    _validation.check_unsupported("flash_attn_varlen_func", alibi_slopes, block_table)
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,
                 deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
@@ -176,7 +163,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     return_attn_probs=False):
     """q (total_q, hq, d), kv (total_k, 2, hkv, d) -> out (total_q, hq, d)."""
     fn = "flash_attn_varlen_kvpacked_func"
-    _check_unsupported(fn, dropout_p, alibi_slopes)
+    _validation.check_unsupported(fn, alibi_slopes)
     k, v = _unpack(fn, "kv", kv, 1, 2, 4, "(total_k, 2, nheads_kv, headdim)")
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,
@@ -190,7 +177,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      return_attn_probs=False):
     """qkv (total, 3, h, d), cu_seqlens int32 (batch + 1,) -> out (total, h, d)."""
     fn = "flash_attn_varlen_qkvpacked_func"
-    _check_unsupported(fn, dropout_p, alibi_slopes)
+    _validation.check_unsupported(fn, alibi_slopes)
     q, k, v = _unpack(fn, "qkv", qkv, 1, 3, 4, "(total, 3, nheads, headdim)")
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,

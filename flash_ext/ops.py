@@ -4,8 +4,9 @@ Importing ``flash_ext._C`` registers, in C++ (csrc/flash_api.cpp, csrc/flash_bwd
 
     torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, softcap,
-                            dropout_p=0.0, rng_state=None) -> (out, lse)
-    torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, ...same...) -> lse   (writes out)
+                            dropout_p=0.0, rng_state=None, deterministic=False) -> (out, lse)
+    torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, ...as fwd, without
+                            deterministic...) -> lse   (writes out)
     torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, causal, window_left, window_right,
                             softcap, deterministic, dropout_p=0.0, rng_state=None) -> (dq, dk, dv)
@@ -15,6 +16,10 @@ Importing ``flash_ext._C`` registers, in C++ (csrc/flash_api.cpp, csrc/flash_bwd
                             -> bool (batch, heads, seqlen_q, seqlen_k) keep mask (tests only)
     torch.ops.flash_ext.build_info() -> str
 
+``fwd`` is the one differentiable op. Its ``deterministic`` argument is ignored by the forward
+kernel: it is there so that the backward's flag is an argument of the op that the autograd graph
+(and a torch.compile graph) records.
+
 Dropout (dropout_p > 0): the mask is a function of rng_state and (batch, head, row, col) only
 (csrc/common/dropout.h), so fwd and bwd given the same rng_state agree; rng_state is an input of
 the attention ops, drawn beforehand by dropout_rng_state (tagged nondeterministic_seeded, so that
@@ -22,22 +27,16 @@ compilers neither merge nor drop it; the attention ops themselves stay pure func
 
 This module adds, in Python:
 
-- fake kernels for fwd, fwd_out and bwd (what torch.compile needs: shapes, dtypes and strides of
-  the outputs, without running anything);
-- ``flash_ext::attn``, a Python custom op with the schema of ``fwd`` plus ``bool deterministic``
-  (before ``dropout_p`` and ``rng_state``).
-  It runs ``fwd`` (or, for calls with no query row or no key, makes the trivial result without a
-  launch) and exists so that the backward's ``deterministic`` flag, which the forward kernel
-  does not need, is an argument of the op the autograd graph records. flash_ext.attn_fwd calls
-  it when a gradient may be needed and the call is deterministic or has nothing to launch, and
-  ``fwd`` itself otherwise (this Python custom-op layer costs ~100 us of host time per call);
-- the autograd formula of ``flash_ext::attn`` and of ``flash_ext::fwd`` (which then uses
-  deterministic=False): save q, k, v, out, lse (and rng_state); the backward calls
-  ``flash_ext::bwd`` with the same dropout_p and rng_state.
-  ``lse`` is marked non-differentiable (like FlashAttention, no gradient flows through it);
-  gradients with respect to softmax_scale and softcap are not computed (they are plain floats).
-  ``fwd_out`` is not differentiable (flash_ext.attn_fwd rejects out= with inputs that require
-  grad, with a clear error).
+- fake kernels for fwd, fwd_out, bwd and the dropout ops (what torch.compile needs: shapes,
+  dtypes and strides of the outputs, without running anything);
+- the autograd formula of ``fwd``: save q, k, v, out, lse (and rng_state); the backward calls
+  ``bwd`` with the same deterministic, dropout_p and rng_state. ``lse`` is marked
+  non-differentiable (like FlashAttention, no gradient flows through it); gradients with respect
+  to softmax_scale and softcap are not computed (they are plain floats). ``fwd_out`` is not
+  differentiable (flash_ext.attn_fwd rejects out= with inputs that require grad, with a clear
+  error);
+- :func:`_no_attention`: the result of a call with no query row or no key (out 0, lse -inf,
+  zero gradients), made without a launch and still differentiable.
 
 The ops take inputs already prepared by flash_ext.attn_fwd / attn_bwd (head dim a multiple of
 8, strides multiples of 8); call those, not these, unless you know the contract
@@ -61,8 +60,8 @@ except ImportError as _err:  # pragma: no cover - depends on the build
         "built in place) is not shadowing it, e.g. when running from the repository root. "
         f"Original error: {_err}") from _err
 
-__all__ = ["_fwd", "_fwd_out", "_attn", "_bwd", "_dropout_rng_state", "_dropout_mask",
-           "build_info"]
+__all__ = ["_fwd", "_fwd_out", "_no_attention", "_bwd", "_dropout_rng_state",
+           "_dropout_mask", "build_info"]
 
 # The ops need 16-byte aligned rows: every stride but the last, and the storage offset, a
 # multiple of 8 elements (fp16/bf16); and the head dim a multiple of 8.
@@ -110,7 +109,8 @@ def _nothing_to_do(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q:
 
 @torch.library.register_fake("flash_ext::fwd")
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-              causal, window_left, window_right, softcap, dropout_p=0.0, rng_state=None):
+              causal, window_left, window_right, softcap, dropout_p=0.0, rng_state=None,
+              deterministic=False):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -141,91 +141,66 @@ def _dropout_mask_fake(q, rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p
 
 
 # ----------------------------------------------------------------------------------------------
-# flash_ext::attn: fwd with the backward's `deterministic` flag as an argument
+# Autograd of fwd
 # ----------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("flash_ext::attn", mutates_args=())
-def _attn_def(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-          cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
-          max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-          window_left: int, window_right: int, softcap: float,
-          deterministic: bool, dropout_p: float = 0.0,
-          rng_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward of the differentiable path: (out, lse) exactly as fwd returns them."""
-    if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.full(_lse_shape(q, cu_seqlens_q), float("-inf"), dtype=torch.float32,
-                         device=q.device)
-        return out, lse
-    return torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                                   softcap, dropout_p, rng_state)
-
-
-@_attn_def.register_fake
-def _attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-               causal, window_left, window_right, softcap, deterministic, dropout_p=0.0,
-               rng_state=None):
-    return _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, window_left, window_right, softcap)
-
-
-# ----------------------------------------------------------------------------------------------
-# Autograd
-# ----------------------------------------------------------------------------------------------
-
-
-def _setup_context(ctx, inputs, output, deterministic: bool, dropout_p: float, rng_state):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-     window_left, window_right, softcap) = inputs[:12]
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    # lse gets no gradient: without this autograd would fill a zero tensor for it (and for an
-    # out that does not reach the loss) on every backward; _grads handles None.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state)
-    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                softcap, deterministic, float(dropout_p))
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    # fwd(..., softcap, dropout_p, rng_state): 14 inputs (defaults filled in)
-    _setup_context(ctx, inputs, output, deterministic=False, dropout_p=inputs[12],
-                   rng_state=inputs[13])
+    # fwd's 15 arguments, defaults filled in by torch.library.
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+     window_left, window_right, softcap, dropout_p, rng_state, deterministic) = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    # lse gets no gradient: without this autograd would fill a zero tensor for it (and for an
+    # out that does not reach the loss) on every backward; _fwd_backward handles None.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state)
+    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                softcap, bool(deterministic), float(dropout_p))
 
 
-def _attn_setup_context(ctx, inputs, output):
-    # attn(..., softcap, deterministic, dropout_p, rng_state): 15 inputs
-    _setup_context(ctx, inputs, output, deterministic=bool(inputs[12]), dropout_p=inputs[13],
-                   rng_state=inputs[14])
-
-
-def _grads(ctx, grad_out):
+def _fwd_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
     (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
      deterministic, dropout_p) = ctx.args
     if grad_out is None:  # out does not reach the loss
         grad_out = torch.zeros_like(out)
     if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _bwd(_aligned(grad_out), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                deterministic, dropout_p, rng_state)
-
-
-def _fwd_backward(ctx, grad_out, grad_lse):
-    # One gradient slot per op argument (14); the non-tensor ones, cu_seqlens and rng_state
+        # A direct call of the op with nothing to compute (attn_fwd never makes one).
+        grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    else:
+        grads = _bwd(_aligned(grad_out), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                     window_right, softcap, deterministic, dropout_p, rng_state)
+    # One gradient slot per op argument (15); the non-tensor ones, cu_seqlens and rng_state
     # get None.
-    return tuple(_grads(ctx, grad_out)) + (None,) * 11
-
-
-def _attn_backward(ctx, grad_out, grad_lse):
-    return tuple(_grads(ctx, grad_out)) + (None,) * 12  # 15 arguments
+    return tuple(grads) + (None,) * 12
 
 
 torch.library.register_autograd("flash_ext::fwd", _fwd_backward, setup_context=_fwd_setup_context)
-_attn_def.register_autograd(_attn_backward, setup_context=_attn_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Calls with nothing to compute
+# ----------------------------------------------------------------------------------------------
+
+
+def _no_attention(q, k, v, cu_seqlens_q, out=None):
+    """(out, lse) of a call for which :func:`_nothing_to_do` holds, made without a launch: out 0
+    (q's shape and dtype, contiguous; or ``out`` zeroed), lse -inf (float32).
+
+    Differentiable, with zero gradients, when q, k or v requires grad: out is then a broadcast
+    of the sum of an empty slice of each input, which is exactly 0 whatever their values and has
+    zero gradients; plain tensor ops, so that autograd and torch.compile need nothing more (an
+    autograd.Function would break torch.compile's graph when k and v are one tensor)."""
+    lse = torch.full(_lse_shape(q, cu_seqlens_q), float("-inf"), dtype=torch.float32,
+                     device=q.device)
+    if out is not None:  # never differentiable (attn_fwd's checks)
+        return out.zero_(), lse
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        zero = q.narrow(-1, 0, 0).sum() + k.narrow(-1, 0, 0).sum() + v.narrow(-1, 0, 0).sum()
+        return zero.expand(q.shape).clone(memory_format=torch.contiguous_format), lse
+    return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,11 +210,11 @@ _attn_def.register_autograd(_attn_backward, setup_context=_attn_setup_context)
 
 def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
          softmax_scale: float, causal: bool, window_left: int, window_right: int,
-         softcap: float, dropout_p: float = 0.0, rng_state=None):
-    """torch.ops.flash_ext.fwd: returns (out, lse)."""
+         softcap: float, dropout_p: float = 0.0, rng_state=None, deterministic: bool = False):
+    """torch.ops.flash_ext.fwd (differentiable): returns (out, lse)."""
     return torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    softmax_scale, causal, window_left, window_right, softcap,
-                                   dropout_p, rng_state)
+                                   dropout_p, rng_state, deterministic)
 
 
 def _fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -249,15 +224,6 @@ def _fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_se
     return torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, softmax_scale, causal, window_left,
                                        window_right, softcap, dropout_p, rng_state)
-
-
-def _attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-          softmax_scale: float, causal: bool, window_left: int, window_right: int,
-          softcap: float, deterministic: bool, dropout_p: float = 0.0, rng_state=None):
-    """torch.ops.flash_ext.attn (differentiable): returns (out, lse)."""
-    return torch.ops.flash_ext.attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, softmax_scale, causal, window_left,
-                                    window_right, softcap, deterministic, dropout_p, rng_state)
 
 
 def _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,

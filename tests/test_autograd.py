@@ -1,6 +1,7 @@
 """Backward pass plumbing without a GPU: the bwd op's registration and fake kernel, attn_bwd's
-input checks, the autograd registration of flash_ext::fwd / flash_ext::attn, and torch.compile
-tracing a training step (forward, loss, backward) into one graph.
+input checks, the autograd registration of flash_ext::fwd (the one differentiable op, whose
+``deterministic`` argument the backward reads), and torch.compile tracing a training step
+(forward, loss, backward) into one graph.
 
 The autograd engine initialises CUDA for CUDA tensors, even fake ones, so the tests that run a
 backward use tensors on the "meta" device (the fake kernels are also the meta kernels), with the
@@ -36,10 +37,11 @@ def test_bwd_op_registered():
     assert "-> (Tensor dq, Tensor dk, Tensor dv)" in schema, schema
 
 
-def test_attn_op_registered():
-    schema = str(torch.ops.flash_ext.attn.default._schema)
-    assert "bool deterministic" in schema and "float softcap" in schema, schema
-    assert "-> (Tensor, Tensor)" in schema, schema
+def test_fwd_op_carries_deterministic():
+    schema = str(torch.ops.flash_ext.fwd.default._schema)
+    assert "Tensor? rng_state=None, bool deterministic=False)" in schema, schema
+    assert "-> (Tensor out, Tensor lse)" in schema, schema
+    assert not hasattr(torch.ops.flash_ext, "attn")  # no second differentiable op
 
 
 def test_no_not_implemented_backward_op_left():
@@ -73,12 +75,12 @@ def test_fake_bwd_varlen_shapes(fake_mode):
     assert dq.dtype == dk.dtype == dv.dtype == torch.float16
 
 
-def test_fake_attn_op_shapes(fake_mode):
+def test_fake_fwd_deterministic_shapes(fake_mode):
     with fake_mode:
         q = torch.randn(2, 64, 8, 64, dtype=torch.bfloat16, device="cuda")
         k = torch.randn(2, 96, 2, 64, dtype=torch.bfloat16, device="cuda")
-        out, lse = torch.ops.flash_ext.attn(q, k, k, None, None, 0, 0, 0.125, True, -1, 0, 0.0,
-                                            True)
+        out, lse = torch.ops.flash_ext.fwd(q, k, k, None, None, 0, 0, 0.125, True, -1, 0, 0.0,
+                                           0.0, None, True)
     assert out.shape == q.shape and out.is_contiguous() and out.dtype == q.dtype
     assert lse.shape == (2, 8, 64) and lse.dtype == torch.float32
 
@@ -327,6 +329,17 @@ class Graphs:
         return [n for g in graphs for n in g.graph.nodes
                 if n.op == "call_function" and n.target in (op, op.default)]
 
+    @staticmethod
+    def arg(node, name):
+        """A graph node's argument by its schema name (defaults left out of the node filled)."""
+        schema = node.target._schema
+        for i, a in enumerate(schema.arguments):
+            if a.name == name:
+                if i < len(node.args):
+                    return node.args[i]
+                return node.kwargs.get(name, a.default_value)
+        raise KeyError(name)
+
 
 def _loss(m, x):
     return m(x).float().pow(2).mean()
@@ -334,7 +347,7 @@ def _loss(m, x):
 
 def test_compile_forward_and_loss_then_backward(meta_ok):
     """The usual pattern: compile forward + loss in one graph; the backward graph that
-    AOTAutograd compiles holds flash_ext::bwd, with deterministic=True carried over."""
+    AOTAutograd compiles holds flash_ext::bwd, with fwd's deterministic=True carried over."""
     m = AttnLinear()
     x = meta(2, 128, 256)
     rec = Graphs()
@@ -342,9 +355,10 @@ def test_compile_forward_and_loss_then_backward(meta_ok):
     loss.backward()
     assert m.qkv.weight.grad is not None and m.qkv.weight.grad.shape == m.qkv.weight.shape
     assert len(rec.fw) == 1 and len(rec.bw) == 1
-    assert len(Graphs.nodes(rec.fw, torch.ops.flash_ext.attn)) == 1
+    fwd = Graphs.nodes(rec.fw, torch.ops.flash_ext.fwd)
+    assert len(fwd) == 1 and Graphs.arg(fwd[0], "deterministic") is True
     bwd = Graphs.nodes(rec.bw, torch.ops.flash_ext.bwd)
-    assert len(bwd) == 1 and bwd[0].args[-1] is True  # deterministic
+    assert len(bwd) == 1 and Graphs.arg(bwd[0], "deterministic") is True
 
 
 def test_explain_training_forward_no_graph_breaks(meta_ok):
@@ -359,7 +373,7 @@ def test_explain_training_forward_no_graph_breaks(meta_ok):
                     reason="this torch cannot trace Tensor.backward() (no trace_autograd_ops)")
 def test_compile_full_training_step_one_graph(meta_ok, monkeypatch):
     """forward, loss and loss.backward() in one fullgraph=True graph (torch's
-    trace_autograd_ops): flash_ext::attn and flash_ext::bwd in the same graph."""
+    trace_autograd_ops): flash_ext::fwd and flash_ext::bwd in the same graph."""
     monkeypatch.setattr(torch._dynamo.config, "trace_autograd_ops", True)
     m = AttnLinear()
     x = meta(2, 128, 256)
@@ -374,6 +388,7 @@ def test_compile_full_training_step_one_graph(meta_ok, monkeypatch):
     assert loss.shape == ()
     assert m.qkv.weight.grad is not None and m.proj.bias.grad is not None
     graphs = rec.fw + rec.bw
-    assert len(Graphs.nodes(graphs, torch.ops.flash_ext.attn)) == 1
+    fwd = Graphs.nodes(graphs, torch.ops.flash_ext.fwd)
+    assert len(fwd) == 1 and Graphs.arg(fwd[0], "deterministic") is True
     bwd = Graphs.nodes(graphs, torch.ops.flash_ext.bwd)
-    assert len(bwd) == 1 and bwd[0].args[-1] is True
+    assert len(bwd) == 1 and Graphs.arg(bwd[0], "deterministic") is True

@@ -9,18 +9,22 @@ import torch
 
 import flash_ext
 
+from conftest import requires_ext
+
 
 def test_ops_registered():
     for name in ("fwd", "fwd_out", "build_info"):
         assert hasattr(torch.ops.flash_ext, name), f"torch.ops.flash_ext.{name} is not registered"
     schema = str(torch.ops.flash_ext.fwd.default._schema)
     for arg in ("Tensor q", "Tensor? cu_seqlens_q", "int max_seqlen_q", "float softmax_scale",
-                "bool causal", "int window_left", "int window_right", "float softcap"):
+                "bool causal", "int window_left", "int window_right", "float softcap",
+                "bool deterministic=False"):
         assert arg in schema, schema
     schema_out = str(torch.ops.flash_ext.fwd_out.default._schema)
     assert "Tensor(a!) out" in schema_out, schema_out
 
 
+@requires_ext
 def test_build_info_is_a_string():
     info = torch.ops.flash_ext.build_info()
     assert isinstance(info, str) and info

@@ -481,3 +481,62 @@ def test_packed_cpu_raises_device_error(seed):
         flash_ext.flash_attn_qkvpacked_func(t(2, 16, 3, 4, 64))
     with pytest.raises(DeviceError, match="got q on cpu"):
         flash_ext.flash_attn_varlen_qkvpacked_func(t(16, 3, 4, 64), cu([16]), 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# One place for each check
+# ---------------------------------------------------------------------------------------------
+
+
+def test_entry_points_leave_the_checks_to_validation():
+    """attn_fwd, attn_bwd and the FlashAttention-compatible functions raise nothing themselves:
+    every check on user input is in flash_ext/_validation.py."""
+    import ast
+    import inspect
+    from flash_ext import interface
+    for module in (flash_ext, interface):
+        raises = [n.lineno for n in ast.walk(ast.parse(inspect.getsource(module)))
+                  if isinstance(n, ast.Raise)]
+        assert raises == [], f"{module.__name__} raises at lines {raises}"
+
+
+@pytest.mark.parametrize("missing", ["q", "k", "v"])
+def test_missing_tensor(seed, meta_ok, missing):
+    q, k, v = qkv()
+    args = dict(q=q, k=k, v=v)
+    args[missing] = None
+    with pytest.raises(TypeError, match=f"{missing} must be a torch.Tensor, got None"):
+        check(**args)
+    with pytest.raises(TypeError, match=f"{missing} must be a torch.Tensor, got None"):
+        flash_ext.attn_fwd(**args)
+
+
+def test_out_with_grad_is_rejected(seed):
+    q, k, v = qkv()
+    q.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="out= does not support automatic differentiation"):
+        check(q, k, v, out=torch.empty_like(q))
+    with torch.no_grad():
+        check(q, k, v, out=torch.empty_like(q))
+    check(q, k, v)
+
+
+def test_dropout_checked_before_the_device(seed):
+    """A bad dropout_p is reported whatever the tensors, by attn_fwd and by the
+    FlashAttention-compatible functions alike."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="dropout_p must be a number in \\[0, 1\\]"):
+        flash_ext.attn_fwd(q, k, v, dropout_p=1.5)
+    with pytest.raises(TypeError, match="dropout_p must be a float"):
+        flash_ext.flash_attn_func(q, k, v, dropout_p="0.1")
+    with pytest.raises(ValueError, match="rng_state"):
+        flash_ext.attn_fwd(q, k, v, dropout_p=0.1, rng_state=torch.zeros(3, dtype=torch.int64))
+
+
+def test_bwd_dropout_needs_rng_state(seed):
+    q, k, v = qkv()
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    with pytest.raises(ValueError, match="needs the forward's rng_state"):
+        V.check_bwd_inputs(q, q, k, v, q, lse, dropout_p=0.1, require_cuda=False)
+    assert V.check_bwd_inputs(q, q, k, v, q, lse, dropout_p=0.1,
+                              rng_state=torch.tensor([1, 2]), require_cuda=False) is False

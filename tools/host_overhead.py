@@ -45,7 +45,7 @@ def main():
         o, _ = flash_ext.attn_fwd(ql, kl, vl, causal=True)
         return torch.autograd.grad(o, (ql, kl, vl), dout)
 
-    def raw_fwd_step():  # the C++ op with its own autograd registration, no Python custom op
+    def raw_fwd_step():  # the op itself, without attn_fwd's Python layer
         o, _ = torch.ops.flash_ext.fwd(ql, kl, vl, None, None, 0, 0, scale, True, -1, 0, 0.0, 0.0, None)
         return torch.autograd.grad(o, (ql, kl, vl), dout)
 
@@ -53,7 +53,7 @@ def main():
         "flash_ext.attn_fwd (no grad)": lambda: flash_ext.attn_fwd(q, k, v, causal=True),
         "torch.ops.flash_ext.fwd (no grad)": lambda: torch.ops.flash_ext.fwd(
             q, k, v, None, None, 0, 0, scale, True, -1, 0, 0.0, 0.0, None),
-        "flash_ext.attn_fwd (grad: flash_ext::attn)": lambda: flash_ext.attn_fwd(ql, kl, vl, causal=True),
+        "flash_ext.attn_fwd (grad)": lambda: flash_ext.attn_fwd(ql, kl, vl, causal=True),
         "flash_ext.attn_bwd": lambda: flash_ext.attn_bwd(dout, q, k, v, out, lse, causal=True),
         "torch.ops.flash_ext.bwd": lambda: torch.ops.flash_ext.bwd(
             dout, q, k, v, out, lse, None, None, 0, 0, scale, True, -1, 0, 0.0, False),
