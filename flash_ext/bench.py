@@ -331,7 +331,7 @@ def _forward_fn(name: str, q, k, v, causal: bool) -> Callable[[], object]:
         import flash_ext
 
         def run_sm80():
-            with _env(FLASH_EXT_FWD_PATH="sm80"):  # read by the C++ dispatch at each call
+            with _tuning(FLASH_EXT_FWD_PATH="sm80"):
                 return flash_ext.attn_fwd(q, k, v, causal=causal)
         return run_sm80
     from torch.nn.attention import SDPBackend
@@ -367,24 +367,25 @@ def make_backend_fn(name: str, direction: str, q, k, v, causal: bool) -> Callabl
         return run
 
     def run_sm80():
-        with _env(FLASH_EXT_BWD_PATH="sm80"):  # the backward's dispatch reads it at each call
+        with _tuning(FLASH_EXT_BWD_PATH="sm80"):
             return run()
     return run_sm80
 
 
 @contextlib.contextmanager
-def _env(**values):
-    """Sets environment variables for the duration of a block, then restores them."""
-    prev = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+def _tuning(**values):
+    """Sets the extension's tuning switches (README: the FLASH_EXT_* switches, read from the
+    environment once per process) for the duration of a block through flash_ext::set_tuning,
+    then restores them."""
+    ops = torch.ops.flash_ext
+    prev = {k: ops.get_tuning(k) for k in values}
+    for k, v in values.items():
+        ops.set_tuning(k, v)
     try:
         yield
     finally:
         for k, v in prev.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
+            ops.set_tuning(k, v)
 
 
 def time_ms(fn: Callable[[], object], reps: int, warmup: int, warmup_s: float = 0.0) -> float:

@@ -1,6 +1,6 @@
 """The compiled ops, their fake (meta) kernels and their autograd registration.
 
-Importing ``flash_ext._C`` registers, in C++ (csrc/flash_api.cpp, csrc/flash_bwd_api.cpp):
+Importing ``flash_ext._C`` registers, in C++ (csrc/ops_*.cpp):
 
     torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, softcap,

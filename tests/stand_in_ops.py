@@ -2,7 +2,7 @@
 where flash_ext._C is not built.
 
 Importing flash_ext needs the ``flash_ext::*`` ops that ``flash_ext._C`` registers in C++
-(csrc/flash_api.cpp, csrc/flash_bwd_api.cpp). Without a build, tests/conftest.py calls
+(csrc/ops_*.cpp). Without a build, tests/conftest.py calls
 :func:`install` before any test imports flash_ext: it defines the same schemas under the same
 namespace, with no kernel behind them (flash_ext/ops.py adds the fake kernels and the autograd
 formula as it does for the real ops), and puts an empty module in ``sys.modules`` as

@@ -20,7 +20,7 @@
 // threshold 2^32 - 1 with a keep scale of 0). Kept elements are scaled by 1 / (1 - p).
 //
 // seed and offset come from torch's default CUDA generator (flash_ext::rng_state op in
-// csrc/flash_api.cpp: a fresh offset per call, so that calls differ; torch.manual_seed makes
+// csrc/ops_dropout.cpp: a fresh offset per call, so that calls differ; torch.manual_seed makes
 // runs reproducible).
 #pragma once
 #include <cute/tensor.hpp>
