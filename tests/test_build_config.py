@@ -1,11 +1,11 @@
-"""Build knob parsing in tools/build_config.py (pure Python, CPU only)."""
+"""Build knob parsing in build_support/build_config.py (pure Python, CPU only)."""
 
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build_support"))
 
 import build_config as bc  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Build configuration for flash_ext: parses the FLASH_EXT_* knobs and locates CUTLASS.
 
-Pure Python with no third-party imports (no torch), so setup.py, tools/gen_instantiations.py
+Pure Python with no third-party imports (no torch), so setup.py, build_support/gen_instantiations.py
 and CPU unit tests can all use it. Every parser raises ``BuildConfigError`` (a ``ValueError``)
 with a message that names the offending knob and value.
 
@@ -64,7 +64,7 @@ class BuildConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel families: the table tools/gen_instantiations.py writes files from and setup.py selects
+# Kernel families: the table build_support/gen_instantiations.py writes files from and setup.py selects
 # sources from. To add a family (e.g. "bwd_sm80" or "fwd_sm90"), add one row.
 # ----------------------------------------------------------------------------------------------
 
