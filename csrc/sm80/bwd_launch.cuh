@@ -7,7 +7,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "dispatch/bwd_dispatch.h"
-#include "sm80/bwd_main_launch.cuh"  // the main kernels compile with the launcher
+#include "sm80/bwd_main_launch.h"
 #include "sm80/bwd_preprocess.cuh"
 
 namespace flash_ext {
