@@ -21,7 +21,7 @@ gpu-check:          ## one full GPU run: make gpu-check OUT=dir
 	bash tools/gpu_check.sh $(OUT)
 
 instantiations:     ## regenerate csrc/instantiations/
-	$(PYTHON) tools/gen_instantiations.py
+	$(PYTHON) build_support/gen_instantiations.py
 
 clean:
 	rm -rf build dist *.egg-info flash_ext/_C*.so

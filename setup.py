@@ -5,7 +5,7 @@ torch must already be installed (it is not a build requirement that pip should f
     pip install --no-build-isolation .                 # install
     python setup.py build_ext --inplace                # develop: build next to the sources
 
-Knobs (environment variables; parsing and defaults are in tools/build_config.py):
+Knobs (environment variables; parsing and defaults are in build_support/build_config.py):
     FLASH_EXT_ARCHS="80+PTX;90a"  FLASH_EXT_HEADDIMS=32,...,256  FLASH_EXT_DTYPES=fp16,bf16
     FLASH_EXT_PTXAS_VERBOSE=1  FLASH_EXT_NVCC_THREADS=N  FLASH_EXT_CXX_STD=c++20
     MAX_JOBS=N (parallel compiles)  CUTLASS_PATH=/path/to/cutlass  CUDA_HOME=/usr/local/cuda
@@ -19,7 +19,7 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "build_support"))
 import build_config as bc  # noqa: E402  (pure Python, no torch)
 
 # torch.utils.cpp_extension fixes CUDA_HOME at import time. An `nvcc` wrapper on PATH (e.g. in
@@ -60,7 +60,7 @@ def make_extension() -> CUDAExtension:
     kernel_sources = [inst_dir / name for name in bc.instantiation_files(cfg)]
     missing = [str(p.relative_to(ROOT)) for p in kernel_sources if not p.is_file()]
     if missing:
-        fail("missing generated sources (run `python tools/gen_instantiations.py`): " + ", ".join(missing))
+        fail("missing generated sources (run `python build_support/gen_instantiations.py`): " + ", ".join(missing))
     # The torch-facing layer and the host code it calls (no kernels): csrc/ops_*.cpp register the
     # ops; api/ checks and fills params; dispatch/ and tuning/ choose what runs and how.
     host_sources = [ROOT / "csrc" / name for name in (

@@ -16,6 +16,7 @@ import torch
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(_TESTS), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(_TESTS), "build_support"))
 
 
 def _extension_built() -> bool:
@@ -99,8 +100,8 @@ _NOT_IN_BUILD = ("this build has no", "rebuild with FLASH_EXT_HEADDIMS", "FLASH_
 
 def narrowed_build_info(info):
     """Whether a build_info() string describes a build narrowed by FLASH_EXT_HEADDIMS or
-    FLASH_EXT_DTYPES (missing some head dim or dtype of the full build, tools/build_config.py)."""
-    import build_config as bc  # tools/ is on sys.path (top of this file)
+    FLASH_EXT_DTYPES (missing some head dim or dtype of the full build, build_support/build_config.py)."""
+    import build_config as bc  # build_support/ is on sys.path (top of this file)
     fields = dict(kv.split("=", 1) for kv in info.split() if "=" in kv)
     return (set(fields.get("hdims", "").split(",")) != {str(d) for d in bc.ALL_HEADDIMS}
             or set(fields.get("dtypes", "").split(",")) != set(bc.ALL_DTYPES))

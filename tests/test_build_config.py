@@ -1,11 +1,11 @@
-"""Build knob parsing in tools/build_config.py (pure Python, CPU only)."""
+"""Build knob parsing in build_support/build_config.py (pure Python, CPU only)."""
 
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build_support"))
 
 import build_config as bc  # noqa: E402
 
@@ -78,10 +78,11 @@ def test_from_env_and_instantiations():
     assert "fwd_sm80_hdim64_bf16.cu" in files and "fwd_sm80_hdim128_bf16.cu" in files
     assert len(files) == len(set(files))
     for f in files:
-        assert f.endswith("_bf16.cu") and ("_hdim64_" in f or "_hdim128_" in f), f
+        assert "_bf16" in f and ("_hdim64_" in f or "_hdim128_" in f), f
+        assert "_fp16" not in f, f
     narrower = bc.BuildConfig.from_env({"FLASH_EXT_ARCHS": "90a", "FLASH_EXT_HEADDIMS": "64",
                                         "FLASH_EXT_DTYPES": "bf16"})
-    assert len(bc.instantiation_files(narrower)) * 2 == len(files)
+    assert set(bc.instantiation_files(narrower)) == {f for f in files if "_hdim64_" in f}
     info = bc.build_info(cfg)
     assert info == "archs=90a hdims=64,128 dtypes=bf16"
     defs = bc.macro_defines(cfg)
@@ -118,3 +119,33 @@ def test_sm90_trace_knob():
     assert bc.build_info(cfg).endswith(" sm90_trace=1")
     with pytest.raises(bc.BuildConfigError):
         bc.BuildConfig.from_env({"FLASH_EXT_SM90_TRACE": "sometimes"})
+
+
+def test_bwd_sm80_split_files():
+    # The sm80 backward of one (head dim, dtype) compiles as its launcher plus one file per
+    # main-kernel tile and feed (csrc/sm80/bwd_main_launch.h), the small tile above d = 64 only
+    # (bwd_has_small_tile in that header).
+    fam = next(f for f in bc.FAMILIES if f.name == "bwd_sm80")
+    for d in fam.hdims:
+        names = [n for n, _, _ in bc.family_files(fam, d, "bf16")]
+        want = {f"bwd_sm80_hdim{d}_bf16.cu", f"bwd_sm80_hdim{d}_bf16_big_v1.cu",
+                f"bwd_sm80_hdim{d}_bf16_big_v2.cu"}
+        if d > 64:
+            want.add(f"bwd_sm80_hdim{d}_bf16_small_v1.cu")
+        assert set(names) == want and len(names) == len(want)
+        for name, header, functions in bc.family_files(fam, d, "bf16"):
+            if name != f"bwd_sm80_hdim{d}_bf16.cu":
+                assert header == "sm80/bwd_main_launch.cuh" and len(functions) == 4
+    # A narrowed build selects the splits with their launcher.
+    cfg = bc.BuildConfig.from_env({"FLASH_EXT_HEADDIMS": "128", "FLASH_EXT_DTYPES": "fp16"})
+    files = bc.instantiation_files(cfg)
+    assert {f for f in files if f.startswith("bwd_sm80")} == {
+        "bwd_sm80_hdim128_fp16.cu", "bwd_sm80_hdim128_fp16_big_v1.cu",
+        "bwd_sm80_hdim128_fp16_big_v2.cu", "bwd_sm80_hdim128_fp16_small_v1.cu"}
+
+
+def test_generated_files_up_to_date():
+    # What CI checks with `python build_support/gen_instantiations.py --check`.
+    import gen_instantiations
+    assert gen_instantiations.main(["--check"]) == 0
+

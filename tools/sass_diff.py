@@ -8,8 +8,9 @@ byte-identical, or say where and why not).
   python tools/sass_diff.py so OUTDIR LIB.so|SASS.txt[.gz]
       the same split from a built extension (cuobjdump --dump-sass) or a saved dump of one
   python tools/sass_diff.py compare DIR_A DIR_B
-      per kernel: identical bytes, identical up to kernel-parameter offsets (c[0x0][...]: the
-      params struct's layout moved), or different (the first differing lines are shown)
+      per kernel: identical bytes (instructions and encodings; the dump's column padding is
+      ignored), identical up to kernel-parameter offsets (c[0x0][...]: the params struct's layout
+      moved), or different (the first differing lines are shown)
 
 Needs nvcc (CUDA_HOME) and cuobjdump/nvdisasm (the toolkit's, or `pip install
 nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`), and CUTLASS headers as setup.py finds them.
@@ -157,8 +158,10 @@ def cmd_compare(args):
             print(f"ONLY IN {'A' if name in fa else 'B'}: {name}")
             differ += 1
             continue
-        la = (a / name).read_text().splitlines()
-        lb = (b / name).read_text().splitlines()
+        # Whitespace runs collapsed: cuobjdump pads the columns to the longest line of the whole
+        # object, so the same kernel dumped from files holding other kernels differs in padding.
+        la = [" ".join(x.split()) for x in (a / name).read_text().splitlines()]
+        lb = [" ".join(x.split()) for x in (b / name).read_text().splitlines()]
         if la == lb:
             same += 1
             continue

@@ -112,4 +112,57 @@ struct BlockMask {
   }
 };
 
+// The same mask walked key-block-major, as the backward walks it: a CTA owns key block n_block
+// and visits the query blocks [m_min, m_max) that see some of its keys. Key j is visible from
+// the query rows j - shift - window_right ... j - shift + window_left (the rule above, solved
+// for i), and from none when j >= seqlen_k.
+template <int kBlockM, int kBlockN, bool kHasWindow>
+struct KeyBlockMask {
+  BlockMask<kBlockM, kBlockN, kHasWindow> mask;
+  int n_block;
+
+  __device__ __forceinline__ KeyBlockMask(int sq, int sk, int wl, int wr, int n)
+      : mask(sq, sk, wl, wr), n_block(n) {}
+
+  // Query blocks [m_min, m_max) that see some key of this key block; the others are skipped.
+  __device__ __forceinline__ void query_block_range(int& m_min, int& m_max) const {
+    mask.query_block_range(n_block, m_min, m_max);
+  }
+
+  // True when some element of tile (m_block, n_block) is masked.
+  __device__ __forceinline__ bool needs_mask(int m_block) const { return mask.needs_mask(m_block, n_block); }
+
+  // The elementwise mask on a score tile laid out as S (rows = queries of m_block, cols = keys),
+  // with `coords` as in BlockMask::apply.
+  template <typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply(TensorS& scores, const TensorC& coords, int m_block) const {
+    mask.apply(scores, coords, m_block, n_block);
+  }
+
+  // The elementwise mask on a tile laid out as S^T (rows = keys of this block, cols = queries of
+  // m_block): `coords` gives each element's (key, query) in the (kBlockN, kBlockM) tile. The
+  // visible query range is computed once per key row; a key past seqlen_k sees no query.
+  template <typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply_transposed(TensorS& scores_t, const TensorC& coords,
+                                                   int m_block) const {
+    using namespace cute;
+    const int shift = mask.seqlen_k - mask.seqlen_q;
+    const int query0 = m_block * kBlockM;
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(scores_t); ++r) {
+      const int key = n_block * kBlockN + get<0>(coords(r, 0));
+      int col_begin = 0, col_end = key < mask.seqlen_k ? INT_MAX : INT_MIN;  // visible [begin, end)
+      if constexpr (kHasWindow) {
+        if (mask.window_right >= 0) col_begin = key - shift - mask.window_right - query0;
+        if (mask.window_left >= 0) col_end = min(col_end, key - shift + mask.window_left - query0 + 1);
+      }
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores_t); ++c) {
+        const int col = get<1>(coords(0, c));
+        if (col < col_begin || col >= col_end) scores_t(r, c) = -INFINITY;
+      }
+    }
+  }
+};
+
 }  // namespace flash_ext

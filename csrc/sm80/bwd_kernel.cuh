@@ -1,16 +1,12 @@
-// FlashAttention-2 backward for sm80 and newer (mma.sync, ldmatrix, cp.async).
+// FlashAttention-2 backward for sm80 and newer (mma.sync, ldmatrix, cp.async): the main kernel.
+// D = rowsum(dO * O) comes first from sm80/bwd_preprocess.cuh; docs/kernels-sm80-bwd.md.
 //
-// Two kernels (docs/kernels-sm80-bwd.md):
-//   bwd_preprocess_kernel  D = rowsum(dO * O) in fp32, one value per (batch, head, query row),
-//                          stored with lse's layout.
-//   bwd_kernel             grid (key blocks, heads_q, batch), sequence-parallel over key blocks.
-//                          A CTA keeps K_j, V_j in shared memory and walks the query blocks i
-//                          that can see key block j:
-//                            S  = Q_i K_j^T, P = exp(S * scale - lse)   (softcap: see below)
-//                            dV_j += P^T dO_i
-//                            dP = dO_i V_j^T, dS = P * (dP - D_i) * scale
-//                            dK_j += dS^T Q_i,  dQ_i += dS K_j  (fp32 atomics, or one slice per
-//                                                                key block when deterministic)
+// Grid (key blocks, heads_q, batch), sequence-parallel over key blocks. A CTA keeps K_j, V_j in
+// shared memory and walks the query blocks i that can see key block j (KeyBlockMask):
+//   S  = Q_i K_j^T, P = exp(S * scale - lse)   (softcap: see below)
+//   dV_j += P^T dO_i
+//   dP = dO_i V_j^T, dS = P * (dP - D_i) * scale
+//   dK_j += dS^T Q_i,  dQ_i += dS K_j  (fp32 atomics, or one slice per key block when deterministic)
 // P and dS are staged in shared memory in the input dtype: the dV / dK GEMMs read them back
 // transposed with ldmatrix.trans (P^T, dS^T as A operands), the dQ GEMM reads dS as is.
 //
@@ -21,6 +17,18 @@
 // since dL/dP = Z o (dO V^T) and sum_k P_ik (dL/dP)_ik = dO_i . sum_k (P o Z)_ik V_k = dO_i . O_i.
 // The keep decision is kept in the sign of P in registers (dropped: -P; P >= 0), so the mask is
 // generated once per block.
+//
+// Two ways to feed the query blocks (kPrefetch), the same math and the same per-element
+// operations (results identical up to the order of the dQ atomics):
+//   bwd_kernel     one buffer: Q (with K, V on the first pass) in one cp.async group, dO in the
+//                  next, so S = Q K^T starts while dO is still landing; lse and D read from global
+//                  memory into registers; four barriers per query block.
+//   bwd_kernel_v2  (FLASH_EXT_BWD_VARIANT=2; docs/kernels-sm80-bwd.md, "Variant 2") Q, dO, lse
+//                  and D double-buffered in shared memory. Block i+1's loads are issued right
+//                  after the barrier that opens block i and have a whole block's GEMMs to land.
+//                  Two barriers per query block: "block i's data landed and every warp is done
+//                  with block i-1" (which also frees the buffers the prefetch and the P/dS stores
+//                  overwrite), and "P and dS visible". dQ: two adjacent columns per access.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cmath>
@@ -32,58 +40,14 @@
 #include "common/mask.h"
 #include "common/seqlen.h"
 #include "common/softmax.h"
+#include "sm80/bwd_epilogue.h"
+#include "sm80/bwd_gmem.h"
 #include "sm80/bwd_kernel_traits.h"
 #include "sm80/gemm.h"
 
 namespace flash_ext::sm80 {
 
 using namespace cute;
-
-// Element offsets of row 0 of sequence `batch` in the backward-only tensors.
-struct BwdSeqOffsets {
-  int64_t do_offset, dqa_offset, dk_offset, dv_offset;
-
-  __device__ __forceinline__ BwdSeqOffsets(const BwdParams& p, int batch) {
-    if (p.cu_seqlens_q != nullptr) {
-      const int64_t q_start = p.cu_seqlens_q[batch];
-      const int64_t k_start = p.cu_seqlens_k[batch];
-      do_offset = q_start * p.do_row_stride;
-      dqa_offset = q_start * p.dqa_row_stride;
-      dk_offset = k_start * p.dk_row_stride;
-      dv_offset = k_start * p.dv_row_stride;
-    } else {
-      do_offset = int64_t(batch) * p.do_batch_stride;
-      dqa_offset = int64_t(batch) * p.dqa_batch_stride;
-      dk_offset = int64_t(batch) * p.dk_batch_stride;
-      dv_offset = int64_t(batch) * p.dv_batch_stride;
-    }
-  }
-};
-
-// The query blocks [m_min, m_max) that see some key of key block n_block: the transpose of
-// BlockMask::key_block_range. Query row i sees key c iff
-//   i + shift - window_left <= c <= i + shift + window_right   (shift = seqlen_k - seqlen_q),
-// so the first row that sees a key of the block is first_col - shift - window_right and the
-// last one last_col - shift + window_left.
-template <int kBlockM, int kBlockN, bool kHasWindow>
-__device__ __forceinline__ void query_block_range(const BlockMask<kBlockM, kBlockN, kHasWindow>& mask,
-                                                  int n_block, int& m_min, int& m_max) {
-  m_min = 0;
-  m_max = (mask.seqlen_q + kBlockM - 1) / kBlockM;
-  if constexpr (kHasWindow) {
-    const int shift = mask.seqlen_k - mask.seqlen_q;
-    const int first_col = n_block * kBlockN;
-    const int last_col = min((n_block + 1) * kBlockN, mask.seqlen_k) - 1;
-    if (mask.window_right >= 0) {
-      const int first_row = first_col - shift - mask.window_right;
-      m_min = first_row <= 0 ? 0 : first_row / kBlockM;
-    }
-    if (mask.window_left >= 0) {
-      const int last_row = last_col - shift + mask.window_left;
-      m_max = min(m_max, last_row < 0 ? 0 : last_row / kBlockM + 1);
-    }
-  }
-}
 
 // Dropout: P (fp32, dropped entries negated) -> P o Z in the input dtype: kept entries times
 // 1 / (1 - p), dropped ones 0.
@@ -98,355 +62,6 @@ __device__ __forceinline__ void convert_dropout_into(TensorDst& dst, const Tenso
   }
 }
 
-// D = rowsum(dO * O) over the real head dim, fp32. A warp per row, a lane per 8 columns.
-template <int kNWarps, typename Element>
-__global__ void __launch_bounds__(kNWarps * 32) bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
-  constexpr int kRowsPerWarp = 4;
-  constexpr int kVec = 8;  // 16 bytes
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-  const SeqInfo seq(p, batch);
-  const BwdSeqOffsets off(p, batch);
-  const Element* o_base = static_cast<const Element*>(p.o) + seq.o_offset + head * p.o_head_stride;
-  const Element* do_base = static_cast<const Element*>(p.dout) + off.do_offset + head * p.do_head_stride;
-  float* dsum = p.dsum + seq.lse_offset + head * p.lse_head_stride;
-
-  const int row0 = (blockIdx.x * kNWarps + warp) * kRowsPerWarp;
-  CUTE_UNROLL
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int row = row0 + r;
-    if (row >= seq.seqlen_q) break;  // uniform over the warp
-    const Element* o_row = o_base + int64_t(row) * p.o_row_stride;
-    const Element* do_row = do_base + int64_t(row) * p.do_row_stride;
-    float acc = 0.f;
-    for (int c = lane * kVec; c < p.head_dim; c += 32 * kVec) {
-      const uint4 a = *reinterpret_cast<const uint4*>(o_row + c);
-      const uint4 b = *reinterpret_cast<const uint4*>(do_row + c);
-      const Element* ea = reinterpret_cast<const Element*>(&a);
-      const Element* eb = reinterpret_cast<const Element*>(&b);
-      CUTE_UNROLL
-      for (int i = 0; i < kVec; ++i) acc += float(ea[i]) * float(eb[i]);
-    }
-    CUTE_UNROLL
-    for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
-    if (lane == 0) dsum[row] = acc;
-  }
-}
-
-template <typename Traits, bool kHasWindow, bool kDropout>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams p) {
-  using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kBlockN = Traits::kBlockN;
-  constexpr int kHeadDim = Traits::kHeadDim;
-
-  extern __shared__ __align__(128) char smem_raw[];
-
-  const int n_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int tid = threadIdx.x;
-
-  const SeqInfo seq(p, batch);
-  if (n_block * kBlockN >= seq.seqlen_k) return;
-  const BwdSeqOffsets off(p, batch);
-  const int head_kv = head / (p.heads_q / p.heads_kv);
-  const int rows_k = seq.seqlen_k - n_block * kBlockN;  // valid key rows of this CTA
-
-  const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left,
-                                                      p.window_right);
-  int m_min, m_max;
-  query_block_range(mask, n_block, m_min, m_max);
-
-  // Global memory views.
-  const Element* q_base = static_cast<const Element*>(p.q) + seq.q_offset + head * p.q_head_stride;
-  const Element* k_base = static_cast<const Element*>(p.k) + seq.k_offset + head_kv * p.k_head_stride;
-  const Element* v_base = static_cast<const Element*>(p.v) + seq.v_offset + head_kv * p.v_head_stride;
-  const Element* do_base = static_cast<const Element*>(p.dout) + off.do_offset + head * p.do_head_stride;
-  const float* lse_base = p.lse + seq.lse_offset + head * p.lse_head_stride;
-  const float* dsum_base = p.dsum + seq.lse_offset + head * p.lse_head_stride;
-  float* dqa_base = p.dq_accum + off.dqa_offset + head * p.dqa_head_stride +
-                    (p.deterministic ? int64_t(n_block) * p.dq_split_stride : 0);
-  Element* dk_base = static_cast<Element*>(p.dk) + off.dk_offset + head * p.dk_head_stride;
-  Element* dv_base = static_cast<Element*>(p.dv) + off.dv_offset + head * p.dv_head_stride;
-
-  const int64_t k_row0 = int64_t(n_block) * kBlockN;
-  Tensor gK = make_tensor(make_gmem_ptr(k_base + k_row0 * p.k_row_stride),
-                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.k_row_stride, _1{}));
-  Tensor gV = make_tensor(make_gmem_ptr(v_base + k_row0 * p.v_row_stride),
-                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.v_row_stride, _1{}));
-  Tensor gdK = make_tensor(make_gmem_ptr(dk_base + k_row0 * p.dk_row_stride),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.dk_row_stride, _1{}));
-  Tensor gdV = make_tensor(make_gmem_ptr(dv_base + k_row0 * p.dv_row_stride),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(p.dv_row_stride, _1{}));
-  auto gQ_block = [&](int m_block) {
-    return make_tensor(make_gmem_ptr(q_base + int64_t(m_block) * kBlockM * p.q_row_stride),
-                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.q_row_stride, _1{}));
-  };
-  auto gdO_block = [&](int m_block) {
-    return make_tensor(make_gmem_ptr(do_base + int64_t(m_block) * kBlockM * p.do_row_stride),
-                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.do_row_stride, _1{}));
-  };
-
-  // Shared memory: Q | dO | K | V | P | dS. dK and dV reuse K and V in the epilogue.
-  Element* smem = reinterpret_cast<Element*>(smem_raw);
-  Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(sQ.data() + int(Traits::kSmemQElems), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(sdO.data() + int(Traits::kSmemQElems), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + int(Traits::kSmemKVElems), typename Traits::SmemLayoutKV{});
-  Tensor sP = make_tensor(sV.data() + int(Traits::kSmemKVElems), typename Traits::SmemLayoutP{});
-  Tensor sdS = make_tensor(sP.data() + int(Traits::kSmemPElems), typename Traits::SmemLayoutP{});
-  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
-  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
-  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPt{});
-  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPt{});
-
-  // global <-> shared partitions with (row, col) coordinates for predication.
-  typename Traits::GmemTiledCopy gmem_copy;
-  auto gmem_thr = gmem_copy.get_thread_slice(tid);
-  Tensor tQsQ = gmem_thr.partition_D(sQ);
-  Tensor tdOsdO = gmem_thr.partition_D(sdO);
-  Tensor tKsK = gmem_thr.partition_D(sK);
-  Tensor tVsV = gmem_thr.partition_D(sV);
-  Tensor tQc = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-
-  // S = Q K^T and dP = dO V^T.
-  typename Traits::TiledMmaSdP mma_sdp;
-  auto thr_sdp = mma_sdp.get_thread_slice(tid);
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-  auto s2r_sdp_a = make_tiled_copy_A(typename Traits::S2RCopy{}, mma_sdp);
-  auto s2r_sdp_b = make_tiled_copy_B(typename Traits::S2RCopy{}, mma_sdp);
-  Tensor tSsQ = s2r_sdp_a.get_thread_slice(tid).partition_S(sQ);
-  Tensor tSsK = s2r_sdp_b.get_thread_slice(tid).partition_S(sK);
-  Tensor tdPsdO = s2r_sdp_a.get_thread_slice(tid).partition_S(sdO);
-  Tensor tdPsV = s2r_sdp_b.get_thread_slice(tid).partition_S(sV);
-  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor cS_rows = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
-  constexpr int kRows = decltype(size<0>(cS_rows))::value;
-  // P and dS (input dtype) -> shared memory.
-  auto r2s_p = make_tiled_copy_C(typename Traits::R2SCopy{}, mma_sdp);
-  auto r2s_p_thr = r2s_p.get_thread_slice(tid);
-  Tensor tPsP = r2s_p_thr.partition_D(sP);
-  Tensor tPsdS = r2s_p_thr.partition_D(sdS);
-
-  // dV += P^T dO and dK += dS^T Q: all four operands transposed views, ldmatrix.trans.
-  typename Traits::TiledMmadKV mma_kv;
-  auto thr_kv = mma_kv.get_thread_slice(tid);
-  Tensor tdVrPt = thr_kv.partition_fragment_A(sPt);
-  Tensor tdVrdOt = thr_kv.partition_fragment_B(sdOt);
-  Tensor tdKrdSt = thr_kv.partition_fragment_A(sdSt);
-  Tensor tdKrQt = thr_kv.partition_fragment_B(sQt);
-  auto s2r_kv_a = make_tiled_copy_A(typename Traits::S2RCopyT{}, mma_kv);
-  auto s2r_kv_b = make_tiled_copy_B(typename Traits::S2RCopyT{}, mma_kv);
-  Tensor tdVsPt = s2r_kv_a.get_thread_slice(tid).partition_S(sPt);
-  Tensor tdVsdOt = s2r_kv_b.get_thread_slice(tid).partition_S(sdOt);
-  Tensor tdKsdSt = s2r_kv_a.get_thread_slice(tid).partition_S(sdSt);
-  Tensor tdKsQt = s2r_kv_b.get_thread_slice(tid).partition_S(sQt);
-  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  clear(acc_dk);
-  clear(acc_dv);
-
-  // dQ = dS K: dS as stored, K^T through ldmatrix.trans.
-  typename Traits::TiledMmadQ mma_dq;
-  auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-  auto s2r_dq_a = make_tiled_copy_A(typename Traits::S2RCopy{}, mma_dq);
-  auto s2r_dq_b = make_tiled_copy_B(typename Traits::S2RCopyT{}, mma_dq);
-  Tensor tdQsdS = s2r_dq_a.get_thread_slice(tid).partition_S(sdS);
-  Tensor tdQsKt = s2r_dq_b.get_thread_slice(tid).partition_S(sKt);
-  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-
-  const bool use_softcap = p.softcap > 0.f;
-  const float scale_log2 = p.softmax_scale_log2;  // log2(e) with softcap (scores already scaled)
-  const float softmax_scale = p.softmax_scale;
-  // Softcap: S' = cap * tanh(S * scale / cap) and dS_raw = dS' * (1 - (S'/cap)^2) * scale. S' is
-  // recovered from P = exp(S' - lse) as ln(P) + lse = (log2(P) + lse * log2(e)) * ln(2).
-  const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
-  const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
-                        p.dropout_threshold);  // used only when kDropout
-  const float dropout_scale = p.dropout_scale;
-
-  if (m_min < m_max) {
-    load_tile_async(gmem_thr.partition_S(gK), tKsK, tKVc, rows_k, p.head_dim);
-    load_tile_async(gmem_thr.partition_S(gV), tVsV, tKVc, rows_k, p.head_dim);
-
-    for (int m_block = m_min; m_block < m_max; ++m_block) {
-      const int rows_q = seq.seqlen_q - m_block * kBlockM;  // valid query rows of this block
-      // Q (with K and V on the first pass) in one cp.async group, dO in the next: S = Q K^T
-      // starts while dO is still landing.
-      load_tile_async(gmem_thr.partition_S(gQ_block(m_block)), tQsQ, tQc, rows_q, p.head_dim);
-      cp_async_fence();
-      load_tile_async(gmem_thr.partition_S(gdO_block(m_block)), tdOsdO, tQc, rows_q, p.head_dim);
-      cp_async_fence();
-
-      // lse (in log2 units) and D of this thread's rows. Rows past the sequence end and rows
-      // that see no key (lse = -inf) get lse = +inf, so that P = exp2(s - inf) = 0, never NaN.
-      float lse_log2[kRows], dsum[kRows];
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int row = get<0>(cS_rows(r, 0));
-        const bool ok = row < rows_q;
-        const float lse = ok ? lse_base[m_block * kBlockM + row] : INFINITY;
-        lse_log2[r] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-        dsum[r] = ok ? dsum_base[m_block * kBlockM + row] : 0.f;
-      }
-
-      cp_async_wait<1>();
-      __syncthreads();  // Q (and K, V) landed
-
-      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_s);
-      gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, s2r_sdp_a, s2r_sdp_b, tid);
-      if (use_softcap) apply_softcap(acc_s, softmax_scale / p.softcap, p.softcap);
-      // (rows, cols) views of S and of its coordinates, as BlockMask::apply takes them.
-      Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
-      if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
-
-      // P = exp(S * scale - lse), recomputed exactly as the forward normalized it.
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(scores); ++c) {
-          scores(r, c) = exp2f(scores(r, c) * scale_log2 - lse_log2[r]);
-        }
-      }
-      if constexpr (kDropout) {
-        // Dropped: -P (the sign carries the decision to dS below).
-        dropout.apply(acc_s, cS, m_block * kBlockM, n_block * kBlockN, [](float x) { return -x; });
-      }
-      {
-        Tensor rP = make_tensor_like<Element>(acc_s);
-        if constexpr (kDropout) {
-          convert_dropout_into(rP, acc_s, dropout_scale);  // P o Z for dV
-        } else {
-          convert_into(rP, acc_s);
-        }
-        copy(r2s_p, r2s_p_thr.retile_S(rP), tPsP);  // nobody reads sP until the barrier below
-      }
-
-      cp_async_wait<0>();
-      __syncthreads();  // dO landed
-
-      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_dp);
-      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, s2r_sdp_a, s2r_sdp_b, tid);
-
-      // dS = P * (dP - D) * scale (times the softcap derivative), the gradient of the raw Q K^T.
-      Tensor dp = make_tensor(acc_dp.data(), acc_as_rows_cols(acc_dp.layout()));
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(dp); ++c) {
-          float pr = scores(r, c);
-          float dpr = dp(r, c);
-          if constexpr (kDropout) {
-            dpr = pr >= 0.f ? dpr * dropout_scale : 0.f;  // dL/dP = Z o dP'
-            pr = fabsf(pr);
-          }
-          float ds = pr * (dpr - dsum[r]);
-          if (use_softcap) {
-            const float t = (__log2f(pr) + lse_log2[r]) * softcap_t_factor;  // S'/cap = tanh(.)
-            ds = pr > 0.f ? ds * (1.f - t * t) : 0.f;
-          }
-          dp(r, c) = ds * softmax_scale;
-        }
-      }
-      {
-        Tensor rdS = make_tensor_like<Element>(acc_dp);
-        convert_into(rdS, acc_dp);
-        copy(r2s_p, r2s_p_thr.retile_S(rdS), tPsdS);
-      }
-      __syncthreads();  // P and dS visible to every warp
-
-      gemm_ss(mma_kv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, s2r_kv_a, s2r_kv_b, tid);
-      gemm_ss(mma_kv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, s2r_kv_a, s2r_kv_b, tid);
-
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      clear(acc_dq);
-      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dq_a, s2r_dq_b, tid);
-      float* dq_tile = dqa_base + int64_t(m_block) * kBlockM * p.dqa_row_stride;
-      const bool deterministic = p.deterministic;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) {
-        const int row = get<0>(cdQ(i)), col = get<1>(cdQ(i));
-        if (row < rows_q && col < p.head_dim) {
-          float* dst = dq_tile + int64_t(row) * p.dqa_row_stride + col;
-          if (deterministic) {
-            *dst = acc_dq(i);  // this CTA's own slice: written once
-          } else {
-            atomicAdd(dst, acc_dq(i));
-          }
-        }
-      }
-      __syncthreads();  // every warp is done with sQ, sdO, sP, sdS before the next loads
-    }
-  }
-  // else: no query row sees this key block; dK = dV = 0.
-
-  // Epilogue: dK, dV in the input dtype, through shared memory (the K and V buffers) for
-  // 16-byte coalesced stores of the valid rows and columns.
-  Tensor rdK = make_tensor_like<Element>(acc_dk);
-  Tensor rdV = make_tensor_like<Element>(acc_dv);
-  convert_into(rdK, acc_dk);
-  convert_into(rdV, acc_dv);
-  auto r2s_kv = make_tiled_copy_C(typename Traits::R2SCopy{}, mma_kv);
-  auto r2s_kv_thr = r2s_kv.get_thread_slice(tid);
-  __syncthreads();
-  copy(r2s_kv, r2s_kv_thr.retile_S(rdK), r2s_kv_thr.partition_D(sK));
-  copy(r2s_kv, r2s_kv_thr.retile_S(rdV), r2s_kv_thr.partition_D(sV));
-  __syncthreads();
-  Tensor tdKgdK = gmem_thr.partition_D(gdK);
-  Tensor tdVgdV = gmem_thr.partition_D(gdV);
-  store_tile(gmem_thr.partition_S(sK), tdKgdK, tKVc, rows_k, p.head_dim);
-  store_tile(gmem_thr.partition_S(sV), tdVgdV, tKVc, rows_k, p.head_dim);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Variant 2 (FLASH_EXT_BWD_VARIANT=2; docs/kernels-sm80-bwd.md, "Variant 2"). Same math and the
-// same per-element operations as bwd_kernel (results are identical up to the order of the dQ
-// atomics), with a software pipeline across query blocks:
-//   - Q, dO, lse and D are double-buffered in shared memory. Block i+1's loads are issued right
-//     after the barrier that opens block i and have a whole block's GEMMs to land, so S = Q K^T
-//     never waits on global memory after the first block.
-//   - Two barriers per query block instead of four: "block i's data landed and every warp is done
-//     with block i-1" (which also frees the buffers the prefetch and the P/dS stores overwrite),
-//     and "P and dS visible".
-//   - dQ: on sm_90 two adjacent columns per 64-bit vector atomic (red.global.add.v2.f32); sm_80
-//     keeps scalar atomics. Deterministic mode: 64-bit plain stores into the CTA's own slice.
-// ---------------------------------------------------------------------------------------------
-
-// cp.async of one fp32 (4 bytes), zero-filled when !pred (the source is then not read).
-__device__ __forceinline__ void cp_async_4_zfill(void* smem_dst, const void* gmem_src, bool pred) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  const int src_bytes = pred ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(src_bytes));
-}
-
-// dst[0..1] += (a, b) (atomic mode) or dst[0..1] = (a, b) (deterministic: own slice). dst is
-// 8-byte aligned (even column, even row strides: the accumulator is contiguous with d % 8 == 0).
-__device__ __forceinline__ void dq_accumulate2(float* dst, float a, float b, bool deterministic) {
-  if (deterministic) {
-    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
-  } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
-#else
-    atomicAdd(dst, a);
-    atomicAdd(dst + 1, b);
-#endif
-  }
-}
-
 // A tensor (a partition of buffer 0) moved to the same position in another buffer `offset`
 // elements further on. Exact for swizzled layouts because offset is a multiple of the swizzle
 // period (static_assert in BwdTraits).
@@ -455,15 +70,15 @@ __device__ __forceinline__ auto shifted(const T& t, int offset) {
   return make_tensor(t.data() + offset, t.layout());
 }
 
-template <typename Traits, bool kHasWindow, bool kDropout>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __grid_constant__ BwdParams p) {
+// One CTA of the main kernel: key block blockIdx.x of (head blockIdx.y, batch blockIdx.z).
+template <typename Traits, bool kHasWindow, bool kDropout, bool kPrefetch>
+__device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kQElems = Traits::kSmemQElems;
-
-  extern __shared__ __align__(128) char smem_raw[];
+  constexpr int kQBuffers = kPrefetch ? 2 : 1;  // Q and dO buffers each
 
   const int n_block = blockIdx.x;
   const int head = blockIdx.y;
@@ -476,10 +91,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __gr
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int rows_k = seq.seqlen_k - n_block * kBlockN;  // valid key rows of this CTA
 
-  const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left,
-                                                      p.window_right);
+  const KeyBlockMask<kBlockM, kBlockN, kHasWindow> mask(seq.seqlen_q, seq.seqlen_k, p.window_left,
+                                                         p.window_right, n_block);
   int m_min, m_max;
-  query_block_range(mask, n_block, m_min, m_max);
+  mask.query_block_range(m_min, m_max);
 
   // Global memory views.
   const Element* q_base = static_cast<const Element*>(p.q) + seq.q_offset + head * p.q_head_stride;
@@ -511,13 +126,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __gr
                        Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.do_row_stride, _1{}));
   };
 
-  // Shared memory: Q0 | Q1 | dO0 | dO1 | K | V | P | dS | lse[2][M] | D[2][M]. The tensors below
-  // are buffer 0; buffer b is `shifted(t, b * kQElems)` (Q and dO) or + b * kBlockM (lse, D).
-  // dK and dV reuse K and V in the epilogue.
+  // Shared memory: Q | dO | K | V | P | dS, with kPrefetch Q0 | Q1 | dO0 | dO1 | K | V | P | dS |
+  // lse[2][M] | D[2][M]. The tensors below are buffer 0; buffer b is `shifted(t, b * kQElems)`
+  // (Q and dO) or + b * kBlockM (lse, D). dK and dV reuse K and V in the epilogue.
   Element* smem = reinterpret_cast<Element*>(smem_raw);
   Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(sQ.data() + 2 * kQElems, typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(sdO.data() + 2 * kQElems, typename Traits::SmemLayoutKV{});
+  Tensor sdO = make_tensor(sQ.data() + kQBuffers * kQElems, typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + kQBuffers * kQElems, typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(sK.data() + int(Traits::kSmemKVElems), typename Traits::SmemLayoutKV{});
   Tensor sP = make_tensor(sV.data() + int(Traits::kSmemKVElems), typename Traits::SmemLayoutP{});
   Tensor sdS = make_tensor(sP.data() + int(Traits::kSmemPElems), typename Traits::SmemLayoutP{});
@@ -590,21 +205,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __gr
   Tensor tdQsdS = s2r_dq_a.get_thread_slice(tid).partition_S(sdS);
   Tensor tdQsKt = s2r_dq_b.get_thread_slice(tid).partition_S(sKt);
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  // The accumulator's values come in pairs (2j, 2j + 1) of adjacent columns of one row (the
-  // m16n8 C fragment), which the 64-bit dQ writes rely on.
-  static_assert(decltype(size<0, 0>(cdQ))::value == 2 && decltype(size(cdQ))::value % 2 == 0);
 
   const bool use_softcap = p.softcap > 0.f;
   const float scale_log2 = p.softmax_scale_log2;  // log2(e) with softcap (scores already scaled)
   const float softmax_scale = p.softmax_scale;
+  // Softcap: S' = cap * tanh(S * scale / cap) and dS_raw = dS' * (1 - (S'/cap)^2) * scale. S' is
+  // recovered from P = exp(S' - lse) as ln(P) + lse = (log2(P) + lse * log2(e)) * ln(2).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
   const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
                         p.dropout_threshold);  // used only when kDropout
   const float dropout_scale = p.dropout_scale;
   const bool deterministic = p.deterministic;
 
-  // All loads of query block m_block into buffer `buf` (no commit): Q, dO, and lse, D of its
-  // rows (zero-filled past the sequence end, replaced below).
+  // kPrefetch: all loads of query block m_block into buffer `buf` (no commit): Q, dO, and lse, D
+  // of its rows (zero-filled past the sequence end, replaced below).
   auto load_query_block = [&](int m_block, int buf) {
     const int rows_q = seq.seqlen_q - m_block * kBlockM;
     Tensor tQsQ_b = shifted(tQsQ, buf * kQElems);
@@ -624,40 +238,59 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __gr
   if (m_min < m_max) {
     load_tile_async(gmem_thr.partition_S(gK), tKsK, tKVc, rows_k, p.head_dim);
     load_tile_async(gmem_thr.partition_S(gV), tVsV, tKVc, rows_k, p.head_dim);
-    load_query_block(m_min, 0);
-    cp_async_fence();
+    if constexpr (kPrefetch) {
+      load_query_block(m_min, 0);
+      cp_async_fence();
+    }
 
     for (int m_block = m_min; m_block < m_max; ++m_block) {
-      const int buf = (m_block - m_min) & 1;
+      const int buf = kPrefetch ? (m_block - m_min) & 1 : 0;
       const int rows_q = seq.seqlen_q - m_block * kBlockM;  // valid query rows of this block
 
-      cp_async_wait<0>();
-      // Block m_block's Q, dO, lse, D (and K, V) landed, and every warp is done with block
-      // m_block - 1: its Q/dO/lse/D buffer (buf ^ 1) and sP, sdS may be overwritten.
-      __syncthreads();
-      if (m_block + 1 < m_max) load_query_block(m_block + 1, buf ^ 1);
-      cp_async_fence();
-
-      const int q_off = buf * kQElems;
-      const float* lse_s = s_lse + buf * kBlockM;
-      const float* dsum_s = s_dsum + buf * kBlockM;
-
-      // lse (in log2 units) of this thread's rows. Rows past the sequence end and rows that see
-      // no key (lse = -inf) get lse = +inf, so that P = exp2(s - inf) = 0, never NaN.
-      float lse_log2[kRows];
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int row = get<0>(cS_rows(r, 0));
-        const float lse = lse_s[row];
-        lse_log2[r] = (row >= rows_q || lse == -INFINITY) ? INFINITY : lse * float(M_LOG2E);
+      // lse (in log2 units) of this thread's rows, and (one buffer) D. Rows past the sequence
+      // end and rows that see no key (lse = -inf) get lse = +inf, so that P = exp2(s - inf) = 0,
+      // never NaN. D = 0 past the sequence end (zero-filled with kPrefetch), where P = 0 anyway.
+      float lse_log2[kRows], dsum_r[kRows];
+      if constexpr (kPrefetch) {
+        cp_async_wait<0>();
+        // Block m_block's Q, dO, lse, D (and K, V) landed, and every warp is done with block
+        // m_block - 1: its Q/dO/lse/D buffer (buf ^ 1) and sP, sdS may be overwritten.
+        __syncthreads();
+        if (m_block + 1 < m_max) load_query_block(m_block + 1, buf ^ 1);
+        cp_async_fence();
+        const float* lse_s = s_lse + buf * kBlockM;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int row = get<0>(cS_rows(r, 0));
+          const float lse = lse_s[row];
+          lse_log2[r] = (row >= rows_q || lse == -INFINITY) ? INFINITY : lse * float(M_LOG2E);
+        }
+      } else {
+        load_tile_async(gmem_thr.partition_S(gQ_block(m_block)), tQsQ, tQc, rows_q, p.head_dim);
+        cp_async_fence();
+        load_tile_async(gmem_thr.partition_S(gdO_block(m_block)), tdOsdO, tQc, rows_q, p.head_dim);
+        cp_async_fence();
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int row = get<0>(cS_rows(r, 0));
+          const bool ok = row < rows_q;
+          const float lse = ok ? lse_base[m_block * kBlockM + row] : INFINITY;
+          lse_log2[r] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+          dsum_r[r] = ok ? dsum_base[m_block * kBlockM + row] : 0.f;
+        }
+        cp_async_wait<1>();
+        __syncthreads();  // Q (and K, V) landed
       }
+      const int q_off = buf * kQElems;  // Q and dO of this block: buffer `buf`
+      const float* dsum_s = s_dsum + buf * kBlockM;
 
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, shifted(tSsQ, q_off), tSsK, s2r_sdp_a, s2r_sdp_b, tid);
       if (use_softcap) apply_softcap(acc_s, softmax_scale / p.softcap, p.softcap);
+      // (rows, cols) views of S and of its coordinates, as BlockMask::apply takes them.
       Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
-      if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
+      if (mask.needs_mask(m_block)) mask.apply(scores, cS_rows, m_block);
 
       // P = exp(S * scale - lse), recomputed exactly as the forward normalized it.
       CUTE_UNROLL
@@ -681,17 +314,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __gr
         copy(r2s_p, r2s_p_thr.retile_S(rP), tPsP);  // nobody reads sP until the barrier below
       }
 
+      if constexpr (!kPrefetch) {
+        cp_async_wait<0>();
+        __syncthreads();  // dO landed
+      }
+
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_dp);
       gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, shifted(tdPsdO, q_off), tdPsV, s2r_sdp_a, s2r_sdp_b,
               tid);
 
       // dS = P * (dP - D) * scale (times the softcap derivative), the gradient of the raw Q K^T.
-      // D = 0 past the sequence end (zero-filled), where P = 0 anyway.
       Tensor dp = make_tensor(acc_dp.data(), acc_as_rows_cols(acc_dp.layout()));
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const float dsum = dsum_s[get<0>(cS_rows(r, 0))];
+        float dsum;
+        if constexpr (kPrefetch) {
+          dsum = dsum_s[get<0>(cS_rows(r, 0))];
+        } else {
+          dsum = dsum_r[r];
+        }
         CUTE_UNROLL
         for (int c = 0; c < size<1>(dp); ++c) {
           float pr = scores(r, c);
@@ -724,37 +366,51 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __gr
       clear(acc_dq);
       gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dq_a, s2r_dq_b, tid);
       float* dq_tile = dqa_base + int64_t(m_block) * kBlockM * p.dqa_row_stride;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); i += 2) {
-        const int row = get<0>(cdQ(i)), col = get<1>(cdQ(i));  // cdQ(i + 1) is (row, col + 1)
-        if (row < rows_q && col < p.head_dim) {  // head_dim % 8 == 0: col + 1 < head_dim too
-          dq_accumulate2(dq_tile + int64_t(row) * p.dqa_row_stride + col, acc_dq(i), acc_dq(i + 1),
-                         deterministic);
+      if constexpr (kPrefetch) {  // pairs of adjacent columns (see dq_accumulate2)
+        static_assert(decltype(size<0, 0>(cdQ))::value == 2 && decltype(size(cdQ))::value % 2 == 0);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); i += 2) {
+          const int row = get<0>(cdQ(i)), col = get<1>(cdQ(i));  // cdQ(i + 1) is (row, col + 1)
+          if (row < rows_q && col < p.head_dim) {  // head_dim % 8 == 0: col + 1 < head_dim too
+            dq_accumulate2(dq_tile + int64_t(row) * p.dqa_row_stride + col, acc_dq(i), acc_dq(i + 1),
+                           deterministic);
+          }
+        }
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); ++i) {
+          const int row = get<0>(cdQ(i)), col = get<1>(cdQ(i));
+          if (row < rows_q && col < p.head_dim) {
+            float* dst = dq_tile + int64_t(row) * p.dqa_row_stride + col;
+            if (deterministic) {
+              *dst = acc_dq(i);  // this CTA's own slice: written once
+            } else {
+              atomicAdd(dst, acc_dq(i));
+            }
+          }
         }
       }
-      // No barrier here: the next block's first barrier orders these reads of sQ, sdO, sP, sdS
-      // before anything overwrites them.
+      // Every warp must be done with sQ, sdO, sP, sdS before the next loads overwrite them; with
+      // kPrefetch the next block's first barrier orders that.
+      if constexpr (!kPrefetch) __syncthreads();
     }
   }
   // else: no query row sees this key block; dK = dV = 0.
 
-  // Epilogue: dK, dV in the input dtype, through shared memory (the K and V buffers) for
-  // 16-byte coalesced stores of the valid rows and columns.
-  Tensor rdK = make_tensor_like<Element>(acc_dk);
-  Tensor rdV = make_tensor_like<Element>(acc_dv);
-  convert_into(rdK, acc_dk);
-  convert_into(rdV, acc_dv);
-  auto r2s_kv = make_tiled_copy_C(typename Traits::R2SCopy{}, mma_kv);
-  auto r2s_kv_thr = r2s_kv.get_thread_slice(tid);
-  cp_async_wait<0>();  // (only empty groups can be pending here)
-  __syncthreads();     // every warp is done reading sK (dQ GEMM) and sV
-  copy(r2s_kv, r2s_kv_thr.retile_S(rdK), r2s_kv_thr.partition_D(sK));
-  copy(r2s_kv, r2s_kv_thr.retile_S(rdV), r2s_kv_thr.partition_D(sV));
-  __syncthreads();
-  Tensor tdKgdK = gmem_thr.partition_D(gdK);
-  Tensor tdVgdV = gmem_thr.partition_D(gdV);
-  store_tile(gmem_thr.partition_S(sK), tdKgdK, tKVc, rows_k, p.head_dim);
-  store_tile(gmem_thr.partition_S(sV), tdVgdV, tKVc, rows_k, p.head_dim);
+  store_dk_dv<kPrefetch, Traits>(mma_kv, acc_dk, acc_dv, sK, sV, gmem_thr, gdK, gdV, tKVc, rows_k,
+                                 p.head_dim, tid);
+}
+
+template <typename Traits, bool kHasWindow, bool kDropout>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams p) {
+  extern __shared__ __align__(128) char smem_raw[];
+  bwd_key_block<Traits, kHasWindow, kDropout, /*kPrefetch=*/false>(p, smem_raw);
+}
+
+template <typename Traits, bool kHasWindow, bool kDropout>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __grid_constant__ BwdParams p) {
+  extern __shared__ __align__(128) char smem_raw[];
+  bwd_key_block<Traits, kHasWindow, kDropout, /*kPrefetch=*/true>(p, smem_raw);
 }
 
 }  // namespace flash_ext::sm80

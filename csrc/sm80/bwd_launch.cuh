@@ -1,77 +1,52 @@
 // Launch of the sm80 backward: the preprocess kernel (D = rowsum(dO * O)), then the main kernel
-// with the tile of bwd_sm80_tile (dispatch/bwd_dispatch.h; reasoning in
-// docs/kernels-sm80-bwd.md), masked or unmasked variant. dq_accum must be zeroed by the caller.
+// variant for the tile of bwd_sm80_tile (dispatch/bwd_dispatch.h; reasoning in
+// docs/kernels-sm80-bwd.md), the feed (p.variant), the mask and dropout. dq_accum must be zeroed
+// by the caller. The main kernels are compiled elsewhere (sm80/bwd_main_launch.h).
 #pragma once
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
 #include "dispatch/bwd_dispatch.h"
-#include "sm80/bwd_kernel.cuh"
+#include "sm80/bwd_main_launch.h"
+#include "sm80/bwd_preprocess.cuh"
 
 namespace flash_ext {
 
 namespace sm80 {
 
-template <typename Traits, bool kHasWindow, bool kDropout>
-void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
-  auto kernel = &bwd_kernel<Traits, kHasWindow, kDropout>;
-  constexpr int smem = Traits::kSmemBytes;
-  if constexpr (smem > 48 * 1024) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  }
-  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
-  kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
-}
-
 // Masked / unmasked, and dropout / no dropout (separate kernels: the ones without dropout are
 // unchanged).
-template <typename Traits>
-void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
+template <int kHeadDim, bool kIsBf16, bool kBigTile, bool kPrefetch>
+void launch_bwd_main_by_mask(BwdParams& p, cudaStream_t stream) {
   if (p.dropout_p > 0.f) {
     if (p.has_window) {
-      launch_bwd_main<Traits, true, true>(p, stream);
+      launch_bwd_main<kHeadDim, kIsBf16, kBigTile, kPrefetch, true, true>(p, stream);
     } else {
-      launch_bwd_main<Traits, false, true>(p, stream);
+      launch_bwd_main<kHeadDim, kIsBf16, kBigTile, kPrefetch, false, true>(p, stream);
     }
   } else if (p.has_window) {
-    launch_bwd_main<Traits, true, false>(p, stream);
+    launch_bwd_main<kHeadDim, kIsBf16, kBigTile, kPrefetch, true, false>(p, stream);
   } else {
-    launch_bwd_main<Traits, false, false>(p, stream);
+    launch_bwd_main<kHeadDim, kIsBf16, kBigTile, kPrefetch, false, false>(p, stream);
   }
 }
 
-template <typename Traits, bool kHasWindow, bool kDropout>
-void launch_bwd_main_v2(BwdParams& p, cudaStream_t stream) {
-  auto kernel = &bwd_kernel_v2<Traits, kHasWindow, kDropout>;
-  constexpr int smem = Traits::kSmemBytesV2;
-  if constexpr (smem > 48 * 1024) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  }
-  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
-  kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
-}
-
-// Variant 2 (double-buffered Q/dO/lse/D, see bwd_kernel_v2) when its shared memory fits the
-// device's opt-in limit, else the default kernel. Same tile, so the same key-block count (the
+// Variant 2 (double-buffered Q/dO/lse/D, bwd_kernel_v2) when its shared memory fits the device's
+// opt-in limit, else the default kernel. Same tile, so the same key-block count (the
 // deterministic dQ slices) either way.
-template <typename Traits>
-void launch_bwd_main_v2_or_v1(BwdParams& p, cudaStream_t stream) {
-  int device = 0, optin = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (Traits::kSmemBytesV2 > optin) {
-    launch_bwd_main<Traits>(p, stream);
-  } else if (p.dropout_p > 0.f) {
-    if (p.has_window) {
-      launch_bwd_main_v2<Traits, true, true>(p, stream);
-    } else {
-      launch_bwd_main_v2<Traits, false, true>(p, stream);
+template <int kHeadDim, bool kIsBf16>
+void launch_bwd_main_big_tile(BwdParams& p, cudaStream_t stream) {
+  using Big = typename BwdTraitsFor<kHeadDim, kIsBf16, true>::type;
+  if (p.variant == 2) {
+    int device = 0, optin = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (Big::kSmemBytesV2 <= optin) {
+      launch_bwd_main_by_mask<kHeadDim, kIsBf16, true, true>(p, stream);
+      return;
     }
-  } else if (p.has_window) {
-    launch_bwd_main_v2<Traits, true, false>(p, stream);
-  } else {
-    launch_bwd_main_v2<Traits, false, false>(p, stream);
   }
+  launch_bwd_main_by_mask<kHeadDim, kIsBf16, true, false>(p, stream);
 }
 
 }  // namespace sm80
@@ -90,31 +65,21 @@ void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
 
   constexpr BwdTile kBig = bwd_sm80_tile(kHeadDim, true);
   constexpr BwdTile kSmall = bwd_sm80_tile(kHeadDim, false);
-  using Big = sm80::BwdTraits<kHeadDim, kBig.block_m, kBig.block_n, kBig.warps, Element>;
-  static_assert(Big::kSmemBytes == bwd_sm80_smem_bytes(kHeadDim, kBig));
   constexpr bool kOneConfig =
       kBig.block_m == kSmall.block_m && kBig.block_n == kSmall.block_n && kBig.warps == kSmall.warps;
+  static_assert(kOneConfig == !sm80::bwd_has_small_tile(kHeadDim),
+                "the instantiation table (bwd_has_small_tile) must match bwd_sm80_tile");
   // Variant 2 is compiled for the big tile only (which is also the only tile of d = 32, 64);
   // the small (sm86/sm89 or FLASH_EXT_BWD_SMALL_TILE=1) tiles always use the default kernel.
   if constexpr (kOneConfig) {
-    if (p.variant == 2) {
-      sm80::launch_bwd_main_v2_or_v1<Big>(p, stream);
-    } else {
-      sm80::launch_bwd_main<Big>(p, stream);
-    }
+    sm80::launch_bwd_main_big_tile<kHeadDim, kIsBf16>(p, stream);
   } else {
-    using Small = sm80::BwdTraits<kHeadDim, kSmall.block_m, kSmall.block_n, kSmall.warps, Element>;
-    static_assert(Small::kSmemBytes == bwd_sm80_smem_bytes(kHeadDim, kSmall));
-    static_assert(Small::kSmemBytes <= 99 * 1024);
+    static_assert(sm80::BwdTraitsFor<kHeadDim, kIsBf16, false>::type::kSmemBytes <= 99 * 1024);
     const BwdTile t = bwd_sm80_pick_tile(kHeadDim);
     if (t.block_m == kBig.block_m && t.block_n == kBig.block_n && t.warps == kBig.warps) {
-      if (p.variant == 2) {
-        sm80::launch_bwd_main_v2_or_v1<Big>(p, stream);
-      } else {
-        sm80::launch_bwd_main<Big>(p, stream);
-      }
+      sm80::launch_bwd_main_big_tile<kHeadDim, kIsBf16>(p, stream);
     } else {
-      sm80::launch_bwd_main<Small>(p, stream);
+      sm80::launch_bwd_main_by_mask<kHeadDim, kIsBf16, false, false>(p, stream);
     }
   }
 }

@@ -1,6 +1,6 @@
 """Build configuration for flash_ext: parses the FLASH_EXT_* knobs and locates CUTLASS.
 
-Pure Python with no third-party imports (no torch), so setup.py, tools/gen_instantiations.py
+Pure Python with no third-party imports (no torch), so setup.py, build_support/gen_instantiations.py
 and CPU unit tests can all use it. Every parser raises ``BuildConfigError`` (a ``ValueError``)
 with a message that names the offending knob and value.
 
@@ -36,6 +36,7 @@ __all__ = [
     "BuildConfigError",
     "Arch",
     "Family",
+    "Split",
     "FAMILIES",
     "ALL_HEADDIMS",
     "ALL_DTYPES",
@@ -48,6 +49,7 @@ __all__ = [
     "parse_bool",
     "parse_positive_int",
     "instantiation_name",
+    "family_files",
     "instantiation_files",
     "macro_defines",
     "common_defines",
@@ -64,8 +66,8 @@ class BuildConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel families: the table tools/gen_instantiations.py writes files from and setup.py selects
-# sources from. To add a family (e.g. "bwd_sm80" or "fwd_sm90"), add one row.
+# Kernel families: the table gen_instantiations.py writes files from and setup.py selects sources
+# from. To add a family (e.g. "bwd_sm80" or "fwd_sm90"), add one row.
 # ----------------------------------------------------------------------------------------------
 
 ALL_HEADDIMS: tuple[int, ...] = (32, 64, 96, 128, 192, 256)
@@ -73,8 +75,25 @@ ALL_DTYPES: tuple[str, ...] = ("fp16", "bf16")
 
 
 @dataclass(frozen=True)
+class Split:
+    """Kernels of a family in a file of their own, beside the family's main file, so that the kernels
+    of one (head dim, dtype) can compile in parallel: ``<family>_hdim<d>_<dtype>_<suffix>.cu``.
+
+    suffix:     file name suffix, e.g. "big_v1"
+    header:     header (relative to csrc/) that defines the instantiated templates
+    functions:  explicit instantiations, formatted like Family.function
+    hdims:      only these head dims (None: every head dim of the family)
+    """
+
+    suffix: str
+    header: str
+    functions: tuple[str, ...]
+    hdims: Optional[tuple[int, ...]] = None
+
+
+@dataclass(frozen=True)
 class Family:
-    """One kernel family: one generated .cu per (head dim, dtype).
+    """One kernel family: one generated .cu per (head dim, dtype), plus one per split.
 
     name:      file stem prefix, e.g. "fwd_sm80" -> fwd_sm80_hdim128_bf16.cu
     header:    header (relative to csrc/) that defines the launcher template
@@ -83,6 +102,7 @@ class Family:
     dtypes:    dtypes this family has kernels for
     needs_arch: if set, the family is only compiled when this target is in FLASH_EXT_ARCHS
                (e.g. "90a" for a WGMMA/TMA path); None = built for every target
+    splits:    kernels the launcher calls but does not compile itself (Split)
     """
 
     name: str
@@ -91,6 +111,25 @@ class Family:
     hdims: tuple[int, ...] = ALL_HEADDIMS
     dtypes: tuple[str, ...] = ALL_DTYPES
     needs_arch: Optional[str] = None
+    splits: tuple[Split, ...] = ()
+
+
+def _bwd_sm80_splits() -> tuple[Split, ...]:
+    """The sm80 backward's main-kernel variants (csrc/sm80/bwd_main_launch.h): one file per tile
+    and feed (big tile with bwd_kernel "v1" or bwd_kernel_v2 "v2", small tile "small_v1"), each
+    with the window x dropout variants. The small tile differs from the big one above d = 64 only
+    (bwd_has_small_tile there, checked against the tile table when run_bwd_sm80 compiles)."""
+    fn = ("flash_ext::sm80::launch_bwd_main<{{hdim}}, {{is_bf16}}, {big}, {prefetch}, {window}, "
+          "{dropout}>(flash_ext::BwdParams&, cudaStream_t)")
+    feeds = (("big_v1", "true", "false", None),
+             ("big_v2", "true", "true", None),
+             ("small_v1", "false", "false", tuple(d for d in ALL_HEADDIMS if d > 64)))
+    return tuple(
+        Split(suffix=suffix, header="sm80/bwd_main_launch.cuh",
+              functions=tuple(fn.format(big=big, prefetch=prefetch, window=w, dropout=dr)
+                              for dr in ("false", "true") for w in ("false", "true")),
+              hdims=hdims)
+        for suffix, big, prefetch, hdims in feeds)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -103,6 +142,7 @@ FAMILIES: tuple[Family, ...] = (
         name="bwd_sm80",
         header="sm80/bwd_launch.cuh",
         function="flash_ext::run_bwd_sm80<{hdim}, {is_bf16}>(flash_ext::BwdParams&, cudaStream_t)",
+        splits=_bwd_sm80_splits(),
     ),
     Family(
         name="fwd_sm90",
@@ -122,9 +162,20 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
-def instantiation_name(family: Family, hdim: int, dtype: str) -> str:
-    """File name of one generated instantiation, e.g. ``fwd_sm80_hdim64_bf16.cu``."""
-    return f"{family.name}_hdim{hdim}_{dtype}.cu"
+def instantiation_name(family: Family, hdim: int, dtype: str, split: Optional[Split] = None) -> str:
+    """File name of one generated instantiation, e.g. ``fwd_sm80_hdim64_bf16.cu`` or, for a
+    split, ``bwd_sm80_hdim64_bf16_big_v1.cu``."""
+    return f"{family.name}_hdim{hdim}_{dtype}" + (f"_{split.suffix}" if split else "") + ".cu"
+
+
+def family_files(family: Family, hdim: int, dtype: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(file name, header, explicit instantiations) of every file of one (head dim, dtype) of a
+    family: the main file, then its splits."""
+    files = [(instantiation_name(family, hdim, dtype), family.header, (family.function,))]
+    for sp in family.splits:
+        if sp.hdims is None or hdim in sp.hdims:
+            files.append((instantiation_name(family, hdim, dtype, sp), sp.header, sp.functions))
+    return files
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,7 +378,7 @@ def instantiation_files(cfg: BuildConfig, families: Sequence[Family] = FAMILIES)
                 continue
             for t in cfg.dtypes:
                 if t in fam.dtypes:
-                    names.append(instantiation_name(fam, d, t))
+                    names += [name for name, _, _ in family_files(fam, d, t)]
     return names
 
 

@@ -1,0 +1,30 @@
+// Definition of launch_bwd_main (declared in sm80/bwd_main_launch.h): included by the generated
+// files that instantiate the variants, never by the dispatching launcher.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "sm80/bwd_kernel.cuh"
+#include "sm80/bwd_main_launch.h"
+
+namespace flash_ext::sm80 {
+
+template <int kHeadDim, bool kIsBf16, bool kBigTile, bool kPrefetch, bool kHasWindow, bool kDropout>
+void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
+  using Traits = typename BwdTraitsFor<kHeadDim, kIsBf16, kBigTile>::type;
+  static_assert(kBigTile || !kPrefetch, "bwd_kernel_v2 is compiled for the big tile only");
+  auto kernel = [] {  // (a plain ?: would instantiate both kernels)
+    if constexpr (kPrefetch) {
+      return &bwd_kernel_v2<Traits, kHasWindow, kDropout>;
+    } else {
+      return &bwd_kernel<Traits, kHasWindow, kDropout>;
+    }
+  }();
+  constexpr int smem = kPrefetch ? Traits::kSmemBytesV2 : Traits::kSmemBytes;
+  if constexpr (smem > 48 * 1024) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  }
+  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
+  kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
+}
+
+}  // namespace flash_ext::sm80
