@@ -72,7 +72,11 @@ def make_extension() -> CUDAExtension:
     for f in host_sources:
         if not f.is_file():
             fail(f"missing {f.relative_to(ROOT)}")
-    sources = [str(p.relative_to(ROOT)) for p in host_sources + kernel_sources]
+    # ninja starts jobs in this order: the longest translation units first (the sm80 backward's,
+    # then the sm80 forward's), so that no long one starts last and runs on alone.
+    first = ("bwd_sm80_", "fwd_sm80_")
+    kernel_sources.sort(key=lambda p: next((i for i, f in enumerate(first) if p.name.startswith(f)), len(first)))
+    sources = [str(p.relative_to(ROOT)) for p in kernel_sources + host_sources]
 
     # One argv entry per flag, unquoted: torch's ninja writer shell-quotes every flag itself
     # (so -DFLASH_EXT_BUILD_INFO="archs=80;90a ..." reaches the compiler intact).
