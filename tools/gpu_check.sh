@@ -161,7 +161,7 @@ EOF
   hr "tests: pytest -q -x ${PYTEST_ARGS:-tests}"
   t=$(now)
   # shellcheck disable=SC2086  # PYTEST_ARGS is a word list on purpose
-  "$PY" -m pytest -q -x ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/tests.log"
+  FLASH_EXT_TESTS_REQUIRE_EXT=1 "$PY" -m pytest -q -x ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/tests.log"
   tests_rc=${PIPESTATUS[0]}
   tests_s=$(( $(now) - t ))
   [ "$tests_rc" -eq 5 ] && echo "pytest: no tests were collected (rc 5): counted as a failure"
