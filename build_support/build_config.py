@@ -115,7 +115,7 @@ class Family:
 
 
 def _bwd_sm80_splits() -> tuple[Split, ...]:
-    """The sm80 backward's main-kernel variants (csrc/sm80/bwd_main_launch.h): one file per tile
+    """The sm80 backward's main-kernel variants (csrc/sm80/bwd_main_launch.h), by tile
     and feed (big tile with bwd_kernel "v1" or bwd_kernel_v2 "v2", small tile "small_v1"), each
     with the window x dropout variants. The small tile differs from the big one above d = 64 only
     (bwd_has_small_tile there, checked against the tile table when run_bwd_sm80 compiles)."""
@@ -168,14 +168,20 @@ def instantiation_name(family: Family, hdim: int, dtype: str, split: Optional[Sp
     return f"{family.name}_hdim{hdim}_{dtype}" + (f"_{split.suffix}" if split else "") + ".cu"
 
 
-def family_files(family: Family, hdim: int, dtype: str) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(file name, header, explicit instantiations) of every file of one (head dim, dtype) of a
-    family: the main file, then its splits."""
-    files = [(instantiation_name(family, hdim, dtype), family.header, (family.function,))]
+def family_files(family: Family, hdim: int, dtype: str) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """(file name, headers, explicit instantiations) of the one file of a (head dim, dtype) of a
+    family: the launcher and every split's kernels in one translation unit. Each file pays its
+    own front end (parsing CuTe, ~100 s of nvcc per file for two targets on the GPU machine), so
+    the split kernels share the launcher's file instead of paying it again in files of their own:
+    in files of their own the sm80 backward's 44 files took 5216 s of jobs against 2580 s for 12
+    (docs/perf-notes.md, session 18)."""
+    headers, functions = [family.header], [family.function]
     for sp in family.splits:
         if sp.hdims is None or hdim in sp.hdims:
-            files.append((instantiation_name(family, hdim, dtype, sp), sp.header, sp.functions))
-    return files
+            if sp.header not in headers:
+                headers.append(sp.header)
+            functions.extend(sp.functions)
+    return [(instantiation_name(family, hdim, dtype), tuple(headers), tuple(functions))]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -121,27 +121,22 @@ def test_sm90_trace_knob():
         bc.BuildConfig.from_env({"FLASH_EXT_SM90_TRACE": "sometimes"})
 
 
-def test_bwd_sm80_split_files():
-    # The sm80 backward of one (head dim, dtype) compiles as its launcher plus one file per
-    # main-kernel tile and feed (csrc/sm80/bwd_main_launch.h), the small tile above d = 64 only
-    # (bwd_has_small_tile in that header).
+def test_bwd_sm80_one_file_per_head_dim_and_dtype():
+    # The sm80 backward of one (head dim, dtype) compiles in one file: its launcher plus every
+    # main-kernel variant (csrc/sm80/bwd_main_launch.h): tile x feed x window x dropout, the small
+    # tile above d = 64 only (bwd_has_small_tile in that header).
     fam = next(f for f in bc.FAMILIES if f.name == "bwd_sm80")
     for d in fam.hdims:
-        names = [n for n, _, _ in bc.family_files(fam, d, "bf16")]
-        want = {f"bwd_sm80_hdim{d}_bf16.cu", f"bwd_sm80_hdim{d}_bf16_big_v1.cu",
-                f"bwd_sm80_hdim{d}_bf16_big_v2.cu"}
-        if d > 64:
-            want.add(f"bwd_sm80_hdim{d}_bf16_small_v1.cu")
-        assert set(names) == want and len(names) == len(want)
-        for name, header, functions in bc.family_files(fam, d, "bf16"):
-            if name != f"bwd_sm80_hdim{d}_bf16.cu":
-                assert header == "sm80/bwd_main_launch.cuh" and len(functions) == 4
-    # A narrowed build selects the splits with their launcher.
+        files = bc.family_files(fam, d, "bf16")
+        assert [n for n, _, _ in files] == [f"bwd_sm80_hdim{d}_bf16.cu"]
+        _, headers, functions = files[0]
+        assert headers == ("sm80/bwd_launch.cuh", "sm80/bwd_main_launch.cuh")
+        variants = [f for f in functions if "launch_bwd_main" in f]
+        assert len(variants) == (12 if d > 64 else 8) and len(set(variants)) == len(variants)
+    # A narrowed build selects just its files.
     cfg = bc.BuildConfig.from_env({"FLASH_EXT_HEADDIMS": "128", "FLASH_EXT_DTYPES": "fp16"})
     files = bc.instantiation_files(cfg)
-    assert {f for f in files if f.startswith("bwd_sm80")} == {
-        "bwd_sm80_hdim128_fp16.cu", "bwd_sm80_hdim128_fp16_big_v1.cu",
-        "bwd_sm80_hdim128_fp16_big_v2.cu", "bwd_sm80_hdim128_fp16_small_v1.cu"}
+    assert {f for f in files if f.startswith("bwd_sm80")} == {"bwd_sm80_hdim128_fp16.cu"}
 
 
 def test_generated_files_up_to_date():

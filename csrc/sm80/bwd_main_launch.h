@@ -3,9 +3,9 @@
 // A variant is a tile (the big one, or the small one of sm86/sm89: dispatch/bwd_dispatch.h), a way
 // to feed the query blocks (kPrefetch: bwd_kernel_v2, else bwd_kernel), a window mask or none,
 // dropout or none. run_bwd_sm80 (sm80/bwd_launch.cuh) picks one at run time and calls its
-// launch_bwd_main; the definitions are in sm80/bwd_main_launch.cuh, explicitly instantiated a few
-// per generated file (csrc/instantiations/bwd_sm80_hdim*_*_*.cu), so that the kernels of one head
-// dim and dtype compile in parallel. This header declares them without the kernels' code.
+// launch_bwd_main; the definitions are in sm80/bwd_main_launch.cuh, explicitly instantiated in
+// the generated file of the head dim and dtype (csrc/instantiations/bwd_sm80_hdim*_*.cu, beside
+// run_bwd_sm80). This header declares them without the kernels' code.
 #pragma once
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
