@@ -57,7 +57,9 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
+  auto kernel = &fwd_kernel<FwdMainloop<Traits, kLoopFor<Traits::kHeadDim>>,
+                            CausalLocalMask<Traits::kBlockM, Traits::kBlockN, kHasWindow>, FwdEpilogue<Traits>,
+                            TileScheduler<Traits::kBlockM, Traits::kBlockN, kHasWindow>>;
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // Persistent (one CTA per SM) unless p.sm90_persistent == 0 (-1 auto, 0 off, 1 on). Without a
