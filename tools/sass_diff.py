@@ -7,10 +7,14 @@ byte-identical, or say where and why not).
       that git revision's tree (a temporary worktree) instead of the working tree
   python tools/sass_diff.py so OUTDIR LIB.so|SASS.txt[.gz]
       the same split from a built extension (cuobjdump --dump-sass) or a saved dump of one
-  python tools/sass_diff.py compare DIR_A DIR_B
-      per kernel: identical bytes (instructions and encodings; the dump's column padding is
-      ignored), identical up to kernel-parameter offsets (c[0x0][...]: the params struct's layout
-      moved), or different (the first differing lines are shown)
+  python tools/sass_diff.py compare DIR_A DIR_B [--key-a REGEX] [--key-b REGEX]
+      per kernel: identical bytes (the dump's column padding ignored), identical up to kernel-parameter offsets (c[0x0][...]: the
+      params struct's layout moved), or different (the first differing lines are shown).
+      Kernels are paired by name; where a refactor renamed them, --key-a / --key-b pair them by
+      the groups a regex captures from each side's demangled name (named groups in name order,
+      else positional), e.g. for the Hopper forward before and after it became a shell of parts:
+        --key-a 'FwdTraits<(?P<t>[^>]*)>, (?P<w>true|false), (?P<l>\d)>'
+        --key-b 'FwdTraits<(?P<t>[^>]*)>, (?P<l>\d)>, .*Mask<\d+, \d+, (?P<w>true|false)>'
 
 Needs nvcc (CUDA_HOME) and cuobjdump/nvdisasm (the toolkit's, or `pip install
 nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`), and CUTLASS headers as setup.py finds them.
@@ -19,6 +23,7 @@ Exit status of compare: 0 all identical (bytes or up to parameter offsets), 1 ot
 
 import argparse
 import gzip
+import hashlib
 import os
 import re
 import shutil
@@ -94,12 +99,52 @@ def _cuobjdump(path):
 
 
 def _write(outdir, funcs, arch_tag=""):
+    """OUTDIR/<name>.sass per kernel (long names cut, with a hash of the whole), and OUTDIR/index.tsv:
+    file name, full (mangled) name."""
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
+    index = out / "index.tsv"
+    rows = dict(line.split("\t", 1) for line in index.read_text().splitlines()) if index.is_file() else {}
     for name, lines in funcs.items():
-        fname = (name[:180] + arch_tag) if len(name) > 180 else name + arch_tag
+        fname = name + arch_tag
+        if len(fname) > 180:
+            fname = name[:160] + "." + hashlib.sha1(name.encode()).hexdigest()[:12] + arch_tag
         (out / f"{fname}.sass").write_text("\n".join(lines) + "\n")
+        rows[f"{fname}.sass"] = name
+    index.write_text("".join(f"{k}\t{v}\n" for k, v in sorted(rows.items())))
     return len(funcs)
+
+
+def _names(d):
+    """{file name: demangled kernel name} for the .sass files of a dump (index.tsv where there is
+    one; else the file name, as older dumps wrote it)."""
+    index = d / "index.tsv"
+    rows = dict(line.split("\t", 1) for line in index.read_text().splitlines()) if index.is_file() else {}
+    files = sorted(p.name for p in d.glob("*.sass"))
+    mangled = [re.sub(r"(\.sm_\w+)?\.sass$", "", rows.get(f, f)) for f in files]
+    filt = shutil.which("c++filt") or shutil.which("cu++filt")
+    if filt:
+        r = subprocess.run([filt], input="\n".join(mangled), capture_output=True, text=True)
+        if r.returncode == 0 and len(r.stdout.splitlines()) == len(mangled):
+            mangled = r.stdout.splitlines()
+    return dict(zip(files, mangled))
+
+
+def _keys(d, regex):
+    """{pairing key: file name}: the regex's groups of the demangled name, else the file name."""
+    keys = {}
+    for f, name in _names(d).items():
+        m = re.search(regex, name) if regex else None
+        if m:
+            gd = m.groupdict()
+            key = "|".join(gd[k] for k in sorted(gd)) if gd else "|".join(m.groups())
+            key = "key:" + key + "|" + re.sub(r".*?(\.sm_\w+)?\.sass$", r"\1", f)
+        else:
+            key = f
+        if key in keys:
+            sys.exit(f"sass_diff: two kernels of {d} have the key {key}: {keys[key]}, {f}")
+        keys[key] = f
+    return keys
 
 
 def cmd_dump(args):
@@ -150,18 +195,20 @@ _ENC = re.compile(r"/\* 0x[0-9a-f]+ \*/")
 
 def cmd_compare(args):
     a, b = Path(args.a), Path(args.b)
-    fa = {p.name for p in a.glob("*.sass")}
-    fb = {p.name for p in b.glob("*.sass")}
+    ka, kb = _keys(a, args.key_a), _keys(b, args.key_b)
     same = offsets = differ = 0
-    for name in sorted(fa | fb):
-        if name not in fa or name not in fb:
-            print(f"ONLY IN {'A' if name in fa else 'B'}: {name}")
+    for key in sorted(set(ka) | set(kb)):
+        name = ka.get(key) or kb.get(key)
+        if key not in ka or key not in kb:
+            print(f"ONLY IN {'A' if key in ka else 'B'}: {name}")
             differ += 1
             continue
+        if ka[key] != kb[key]:
+            name = f"{ka[key]} ~ {kb[key]}"
         # Whitespace runs collapsed: cuobjdump pads the columns to the longest line of the whole
         # object, so the same kernel dumped from files holding other kernels differs in padding.
-        la = [" ".join(x.split()) for x in (a / name).read_text().splitlines()]
-        lb = [" ".join(x.split()) for x in (b / name).read_text().splitlines()]
+        la = [" ".join(x.split()) for x in (a / ka[key]).read_text().splitlines()]
+        lb = [" ".join(x.split()) for x in (b / kb[key]).read_text().splitlines()]
         if la == lb:
             same += 1
             continue
@@ -202,6 +249,8 @@ def main():
     c.add_argument("a")
     c.add_argument("b")
     c.add_argument("-v", "--verbose", action="store_true")
+    c.add_argument("--key-a", help="regex pairing DIR_A's kernels by the groups it captures from the demangled name")
+    c.add_argument("--key-b", help="the same for DIR_B")
     args = ap.parse_args()
     if args.cmd == "dump":
         cmd_dump(args)

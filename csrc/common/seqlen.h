@@ -11,6 +11,7 @@ struct SeqInfo {
   int64_t q_offset, k_offset, v_offset, o_offset;  // element offsets of row 0 of this sequence
   int64_t lse_offset;                               // element offset of (batch, head 0, row 0)
 
+  SeqInfo() = default;
   __device__ __forceinline__ SeqInfo(const FwdParams& p, int batch) {
     if (p.cu_seqlens_q != nullptr) {
       const int q_start = p.cu_seqlens_q[batch];

@@ -34,7 +34,7 @@
 #include "common/seqlen.h"
 #include "common/softmax.h"
 #include "sm90/bwd_kernel_traits.h"
-#include "sm90/fwd_kernel.cuh"  // warpgroup_gemm_issue, named barriers
+#include "sm90/warpgroup.h"
 
 namespace flash_ext::sm90 {
 

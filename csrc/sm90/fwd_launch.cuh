@@ -53,7 +53,9 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  auto kernel = &fwd_kernel<Traits, kHasWindow, kLoopFor<Traits::kHeadDim>>;
+  auto kernel = &fwd_kernel<FwdMainloop<Traits, kLoopFor<Traits::kHeadDim>>,
+                            CausalLocalMask<Traits::kBlockM, Traits::kBlockN, kHasWindow>, FwdEpilogue<Traits>,
+                            TileScheduler<Traits::kBlockM, Traits::kBlockN, kHasWindow>>;
   constexpr int smem = Traits::kSmemBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // The grid the config chose: one CTA per SM (persistent; at most one per tile), all SMs for a

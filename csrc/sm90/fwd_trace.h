@@ -56,8 +56,34 @@ __device__ __forceinline__ void cta_stamp(int64_t* buf, int which) {  // 0: star
   }
 }
 #define FLASH_EXT_TRACE(...) __VA_ARGS__
+
+// One role's marks over the tiles it works on in turn: begin_tile starts the next slot.
+struct Role {
+  int64_t* buf;  // nullptr: this thread records nothing
+  int role, k = -1;
+  template <typename Params>
+  __device__ __forceinline__ Role(const Params& p, int r, bool records)
+      : buf(records ? p.sm90_trace : nullptr), role(r) {}
+  __device__ __forceinline__ void begin_tile(int event, int tile, int blocks) {
+    ++k;
+    mark(event);
+    value(buf, role, k, kBlocks, blocks);
+    value(buf, role, k, kTile, tile);
+  }
+  __device__ __forceinline__ void mark(int event) const { trace::mark(buf, role, k, event); }
+};
 #else
 #define FLASH_EXT_TRACE(...)
+
+#if defined(__CUDACC__)
+// Every other build: calls that compile to nothing.
+struct Role {
+  template <typename Params>
+  __device__ __forceinline__ Role(const Params&, int, bool) {}
+  __device__ __forceinline__ void begin_tile(int, int, int) {}
+  __device__ __forceinline__ void mark(int) const {}
+};
+#endif
 #endif
 
 }  // namespace flash_ext::sm90::trace

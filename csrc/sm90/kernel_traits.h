@@ -20,6 +20,12 @@ struct FwdTraits {
   static constexpr int kConsumerWGs = kBlockM / 64;
   static constexpr int kMmaThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kMmaThreads + 128;  // + one producer warpgroup
+  // Named barriers (0 is __syncthreads'; 15: the CTA's end in trace builds): consumer warpgroup
+  // w's ping-pong turn (kBarrierTurn + w), its own 128 threads (kBarrierWarpgroup + w: the
+  // epilogue's O staging, the stream-K vote), its vote on rescaling O (kBarrierRescale + w).
+  static constexpr int kBarrierTurn = 1;
+  static constexpr int kBarrierWarpgroup = 1 + kConsumerWGs;
+  static constexpr int kBarrierRescale = 1 + 2 * kConsumerWGs;
   // setmaxnreg: the producer gives its registers to the consumers (sum * 128 <= 64K).
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;

@@ -16,8 +16,10 @@
 #include <cmath>
 #include <cute/tensor.hpp>
 
+#include "common/combine.h"
 #include "common/softmax.h"
 #include "params.h"
+#include "sm90/warpgroup.h"
 
 namespace flash_ext::sm90 {
 
@@ -54,16 +56,15 @@ struct StreamKTail {
   }
 };
 
-// Consumer warpgroup `wg` (of kWGs; its 128 threads, tid 0..127, meet through barrier_sync() and
-// vote through barrier_any(pred), both on the warpgroup's own named barrier) after the key
-// blocks of work item t, a stream-K piece: parks this piece's state and, if it is the tile's
-// last to arrive, merges all pieces into softmax and o_rows (then finalized and stored as a
-// whole tile's) and returns true; else returns false (the tile is not this piece's to store).
-template <int kWGs, int kRows, typename TensorO, typename BarrierSync, typename BarrierAny>
+// Consumer warpgroup `wg` (of kWGs; its 128 threads, tid 0..127, meet and vote at the
+// warpgroup's own named barrier `barrier`) after the key blocks of work item t, a stream-K
+// piece: parks this piece's state and, if it is the tile's last to arrive, merges all pieces
+// into softmax and o_rows (then finalized and stored as a whole tile's; common/combine.h) and
+// returns true; else returns false (the tile is not this piece's to store).
+template <int kWGs, int kRows, typename TensorO>
 __device__ __forceinline__ bool stream_k_park_or_merge(const StreamKTail& sk, const FwdParams& p, int t, int wg,
                                                        int tid, OnlineSoftmax<kRows>& softmax, TensorO& o_rows,
-                                                       float scale_log2, BarrierSync&& barrier_sync,
-                                                       BarrierAny&& barrier_any) {
+                                                       float scale_log2, int barrier) {
   using namespace cute;
   static_assert(kRows == 2, "the row max and sum of a thread's rows travel as one float4");
   constexpr int kCols = decltype(size<1>(o_rows))::value;
@@ -94,7 +95,7 @@ __device__ __forceinline__ bool stream_k_park_or_merge(const StreamKTail& sk, co
   // before and after, compiled to two MEMBAR.SC.GPU per thread and piece.) Predicated PTX, not a
   // branch: a branch on a per-thread value anywhere in the tile loop moves ptxas's main loop off
   // the uniform registers (docs/perf-notes.md session 12).
-  barrier_sync();
+  named_barrier_sync(barrier, 128);
   const int first = sk.owner(tt * sk.n_blocks), last = sk.owner((tt + 1) * sk.n_blocks - 1);
   int arrived;
   asm volatile(
@@ -105,8 +106,9 @@ __device__ __forceinline__ bool stream_k_park_or_merge(const StreamKTail& sk, co
   // The vote is the same in every thread; redux.sync puts it in a uniform register. Branched on
   // as bar.red's predicate, it made ptxas move the main loop's stage indices and wgmma
   // descriptors out of the uniform registers (an R2UR before each wgmma, +31 instructions).
-  if (!__reduce_max_sync(0xffffffffu, int(barrier_any(merges)))) return false;
-  // The other pieces' states, read from L2 (ld.global.cg: this SM's L1 may hold stale lines).
+  if (!__reduce_max_sync(0xffffffffu, int(named_barrier_any(merges, barrier, 128)))) return false;
+  // The other pieces' states, read from L2 (ld.global.cg: this SM's L1 may hold stale lines),
+  // merged by log-sum-exp (common/combine.h).
   float m[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) m[r] = -INFINITY;
@@ -124,7 +126,7 @@ __device__ __forceinline__ bool stream_k_park_or_merge(const StreamKTail& sk, co
     float s[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      s[r] = mc[r] == -INFINITY ? 0.f : exp2f((mc[r] - m[r]) * scale_log2);
+      s[r] = combine::part_weight(mc[r], m[r], scale_log2);
       l[r] += s[r] * lc[r];
     }
     CUTE_UNROLL
