@@ -42,7 +42,10 @@ struct FwdEpilogue {
   }
 
   // A consumer warpgroup's side, across tiles. Named barrier Traits::kBarrierWarpgroup + w syncs
-  // warpgroup w's 128 threads.
+  // warpgroup w's 128 threads. Declared before the mainloop's consumer state and started after it
+  // (start()), the order in which the kernel this shell was cut from computed these values: the
+  // generated code depends on it. At the kernel's end, store_pending && leader: the last store
+  // may still read shared memory, which must outlive it (the shell waits for it).
   struct Consumer {
     typename Traits::SharedStorage& ss;
     int consumer_wg;
@@ -180,8 +183,6 @@ struct FwdEpilogue {
       }
       trace.mark(trace::kStored);
     }
-
-
   };
 };
 

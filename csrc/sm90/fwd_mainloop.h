@@ -99,9 +99,12 @@ struct FwdMainloop {
         pipeline_v(storage.pipeline_v, pipe_params, Shape<_1, _1, _1>{}) {}
 
   // ---------------------------------------------------------------- producer
-  // The producer warpgroup's first thread, across tiles. K and V of a key block go to the same
-  // stage of their rings: K's state runs one block ahead of V's within a tile and both end a
-  // tile equal, so one state carries over (the producer runs at 24 registers).
+  // The producer warpgroup's first thread: its walk over the scheduler's work items and each
+  // tile's loads. K and V of a key block go to the same stage of their rings: K's state runs one
+  // block ahead of V's within a tile and both end a tile equal, so one state carries over (the
+  // producer runs at 24 registers). The walk is here, not in the shell, with plain locals: the
+  // loop-carried write state must be the walking function's own local for the generated code to
+  // stay as it was.
   template <typename Mask, typename Scheduler>
   __device__ __forceinline__ void produce(const Scheduler& scheduler, int work_end, int row_shift, trace::Role& trace) {
     const FwdParams& p = args.p;
@@ -127,64 +130,67 @@ struct FwdMainloop {
       scheduler.clip_to_piece(t, n_lo, n_hi, n_min, n_max);
       if (n_min >= n_max) continue;
       trace.begin_tile(trace::kProdTop, tile, n_max - n_min);
-        Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
-        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
-        const int head_kv = head / (p.heads_q / p.heads_kv);
-        const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
-        const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
-        const int b = varlen ? 0 : batch;
-        Tensor mQ = domain_offset(make_coord(q_start, _0{}),
-                                  args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, b));
-        Tensor mK = domain_offset(make_coord(k_start, _0{}),
-                                  args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
-        Tensor mV = domain_offset(make_coord(k_start, _0{}),
-                                  args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
-        Tensor gQ = local_tile(mQ, Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (64, d, 64-row blocks)
-        Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-        Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-        auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-        auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
+      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
+      const int head_kv = head / (p.heads_q / p.heads_kv);
+      const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
+      const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
+      const int b = varlen ? 0 : batch;
+      Tensor mQ = domain_offset(make_coord(q_start, _0{}),
+                                args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, b));
+      Tensor mK = domain_offset(make_coord(k_start, _0{}),
+                                args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
+      Tensor mV = domain_offset(make_coord(k_start, _0{}),
+                                args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, b));
+      Tensor gQ = local_tile(mQ, Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (64, d, 64-row blocks)
+      Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-        // K of the first block goes out before waiting for the previous tile's Q to be released.
-        // Then each warpgroup's 64 rows of Q, as soon as that warpgroup is done with its rows of
-        // the previous tile (warpgroup 0 finishes first: ping-pong runs it half a turn ahead).
-        int n_block = n_max - 1;
+      // K of the first block goes out before waiting for the previous tile's Q to be released.
+      // Then each warpgroup's 64 rows of Q, as soon as that warpgroup is done with its rows of
+      // the previous tile (warpgroup 0 finishes first: ping-pong runs it half a turn ahead).
+      int n_block = n_max - 1;
+      pipeline_k.producer_acquire(write);
+      copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+      trace.mark(trace::kProdFirstK);
+      CUTE_UNROLL
+      for (int wg = 0; wg < kWGs; ++wg) {
+        if (q_loads > 0) Barrier::wait(&ss.barrier_q_empty[wg], (q_loads - 1) & 1);
+        Barrier::arrive_and_expect_tx(&ss.barrier_q[wg], Traits::kTmaBytesQSlab);
+        Tensor sQw = make_tensor(make_smem_ptr(ss.q.data() + wg * Traits::kQSlabElems), typename Traits::SmemLayoutQSlab{});
+        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQw), group_modes<0, 2>(gQ));
+        copy(args.tma_q.with(ss.barrier_q[wg]), tQgQ(_, m_block * kWGs + wg - row_shift / 64), tQsQ);
+      }
+      ++q_loads;
+      trace.mark(trace::kProdQ);
+      // K one block ahead of V: the consumers use K_n together with V_{n+1} (S_n beside
+      // P_{n+1} V_{n+1}), so K_n goes out before V_{n+1}, and K's next load waits only for the
+      // S GEMM that frees its stage, not also for the P V GEMM behind it (loading K_n and V_n
+      // together held K back by that GEMM: even at d <= 128, +0-5% at d = 256).
+      PipelineState write_v = write;
+      ++write;
+      for (--n_block; n_block >= n_min; --n_block) {
         pipeline_k.producer_acquire(write);
         copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
-        trace.mark(trace::kProdFirstK);
-        CUTE_UNROLL
-        for (int wg = 0; wg < kWGs; ++wg) {
-          if (q_loads > 0) Barrier::wait(&ss.barrier_q_empty[wg], (q_loads - 1) & 1);
-          Barrier::arrive_and_expect_tx(&ss.barrier_q[wg], Traits::kTmaBytesQSlab);
-          Tensor sQw = make_tensor(make_smem_ptr(ss.q.data() + wg * Traits::kQSlabElems), typename Traits::SmemLayoutQSlab{});
-          auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQw), group_modes<0, 2>(gQ));
-          copy(args.tma_q.with(ss.barrier_q[wg]), tQgQ(_, m_block * kWGs + wg - row_shift / 64), tQsQ);
-        }
-        ++q_loads;
-        trace.mark(trace::kProdQ);
-        // K one block ahead of V: the consumers use K_n together with V_{n+1} (S_n beside
-        // P_{n+1} V_{n+1}), so K_n goes out before V_{n+1}, and K's next load waits only for the
-        // S GEMM that frees its stage, not also for the P V GEMM behind it (loading K_n and V_n
-        // together held K back by that GEMM: even at d <= 128, +0-5% at d = 256).
-        PipelineState write_v = write;
         ++write;
-        for (--n_block; n_block >= n_min; --n_block) {
-          pipeline_k.producer_acquire(write);
-          copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
-          ++write;
-          pipeline_v.producer_acquire(write_v);
-          copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block + 1), tVsV(_, write_v.index()));
-          ++write_v;
-        }
         pipeline_v.producer_acquire(write_v);
-        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_min), tVsV(_, write_v.index()));
-        trace.mark(trace::kProdLastV);
+        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block + 1), tVsV(_, write_v.index()));
+        ++write_v;
+      }
+      pipeline_v.producer_acquire(write_v);
+      copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_min), tVsV(_, write_v.index()));
+      trace.mark(trace::kProdLastV);
     }
   }
 
   // ---------------------------------------------------------------- consumers
   // A consumer thread, across tiles: its MMA partitions, the coordinates of its accumulator
-  // values (that the mask and the epilogue use) and the K/V read states.
+  // values (that the mask and the epilogue use) and the K/V read states. The members' order and
+  // where they are computed (initializer list, then the body) follow the order in which the
+  // single-function kernel computed them: the generated code depends on it, as it does on the
+  // reversed declaration of read_v, read_k and on mma()'s local copies of them.
   struct Consumer {
     using SQ = SmemTensor<typename Traits::SmemLayoutQ>;
     using SKV = SmemTensor<typename Traits::SmemLayoutKV>;
@@ -294,8 +300,8 @@ struct FwdMainloop {
       auto& ss = ml.ss;
       auto& pipeline_k = ml.pipeline_k;
       auto& pipeline_v = ml.pipeline_v;
-      PipelineState read_k = this->read_k, read_v = this->read_v;
-      const int& n_min = w.n_min;
+      PipelineState read_k = this->read_k, read_v = this->read_v;  // written back at the end
+      const int& n_min = w.n_min;  // a reference: release_q_after captures it, as the kernel did
       const int n_max = w.n_max, row0 = w.row0;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {

@@ -68,7 +68,8 @@ struct FwdTraits {
   // 224 KB, O would need 64 KB more) a warpgroup stages its O in its own slab of Q, which is free
   // after the tile's last S; the slab goes back to the producer for the next tile's Q only once
   // the store has read it. That holds the next Q load back by the epilogue, but the register
-  // epilogue it replaces took ~13k cycles per tile at d = 256 (docs/perf-notes.md, session 16).
+  // epilogue it replaces took ~13k cycles per tile at d = 256 (docs/perf-notes.md, "d = 256's
+  // epilogue through Q's buffer").
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr int kSmemQKVBytes = (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutKV>) * int(sizeof(Element));
   static constexpr int kSmemOBytes = kConsumerWGs * cosize_v<SmemLayoutO> * int(sizeof(Element));

@@ -11,7 +11,7 @@
 // in its accumulator order) in a workspace slot of its own; the last piece of a tile to arrive
 // (a counter per tile and consumer warpgroup) merges every piece of the tile, in CTA order, so
 // the result does not depend on which piece came last, and then runs the tile's usual epilogue.
-// Launch side: sm90/fwd_launch.cuh (when, workspace); the walk: fwd_kernel.cuh.
+// Launch side: sm90/fwd_launch.cuh (when, workspace); the walk: sm90/tile_scheduler.h.
 #pragma once
 #include <cmath>
 #include <cute/tensor.hpp>
@@ -94,7 +94,7 @@ __device__ __forceinline__ bool stream_k_park_or_merge(const StreamKTail& sk, co
   // thread 0's atomic (acquire) through the vote's barrier below. (__threadfence in every thread,
   // before and after, compiled to two MEMBAR.SC.GPU per thread and piece.) Predicated PTX, not a
   // branch: a branch on a per-thread value anywhere in the tile loop moves ptxas's main loop off
-  // the uniform registers (docs/perf-notes.md session 12).
+  // the uniform registers (docs/perf-notes.md, "the tile fold").
   named_barrier_sync(barrier, 128);
   const int first = sk.owner(tt * sk.n_blocks), last = sk.owner((tt + 1) * sk.n_blocks - 1);
   int arrived;

@@ -135,7 +135,10 @@ struct TileScheduler {
     return StreamKTail(p, num_tiles, (p.seqlen_k + kBlockN - 1) / kBlockN, int(gridDim.x));
   }
   // Work item t's tile (w.tile) and, for a stream-K piece, its key blocks (w.piece_lo, w.piece_hi);
-  // false where this CTA's range has no such piece.
+  // false where this CTA's range has no such piece. Then clip_to_piece(t, w), once the tile's own
+  // key blocks are known: a stream-K piece runs its own key blocks, not the tile's. (The
+  // consumers decode into a FwdTile, the producer into plain locals: each form keeps its side's
+  // generated code as it was.)
   __device__ __forceinline__ bool piece(int t, FwdTile& w) const {
     w.tile = t, w.piece_lo = 0, w.piece_hi = 0;
     if constexpr (!kMasked) {
@@ -154,7 +157,6 @@ struct TileScheduler {
       if (t >= p.sm90_dp_tiles) n_min = n_lo, n_max = n_hi;
     }
   }
-  // A stream-K piece runs its own key blocks, not the tile's.
   __device__ __forceinline__ void clip_to_piece(int t, FwdTile& w) const {
     if constexpr (!kMasked) {
       if (t >= p.sm90_dp_tiles) w.n_min = w.piece_lo, w.n_max = w.piece_hi;
