@@ -21,6 +21,7 @@ from setuptools import setup
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "build_support"))
 import build_config as bc  # noqa: E402  (pure Python, no torch)
+from per_source_flags import per_source_gencode  # noqa: E402
 
 # torch.utils.cpp_extension fixes CUDA_HOME at import time. An `nvcc` wrapper on PATH (e.g. in
 # /usr/local/bin) makes it guess /usr/local, and linking then fails on -lcudart.
@@ -107,6 +108,8 @@ def make_extension() -> CUDAExtension:
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
         "-lineinfo",
     ] + bc.gencode_flags(cfg.archs)  # explicit -gencode: torch then ignores TORCH_CUDA_ARCH_LIST
+    # ...and the kernel files that need fewer device passes get their own (FlashExtBuild)
+    SOURCE_GENCODE.update(bc.source_gencode_flags(cfg))
     nvcc_flags += bc.common_defines(cfg)  # the same on both sides (FwdParams' layout)
     if cfg.ptxas_verbose:
         nvcc_flags += ["-Xptxas", "-v"]
@@ -126,6 +129,18 @@ def make_extension() -> CUDAExtension:
     )
 
 
+SOURCE_GENCODE: dict[str, list[str]] = {}
+
+
+class FlashExtBuild(BuildExtension):
+    """torch's ninja build, with per-file -gencode flags for the kernel files whose device code
+    needs fewer passes than the build's targets (build_support/per_source_flags.py)."""
+
+    def build_extensions(self):
+        with per_source_gencode(SOURCE_GENCODE):
+            super().build_extensions()
+
+
 setup(
     name="flash_ext",
     version=read_version(),
@@ -136,6 +151,6 @@ setup(
     python_requires=">=3.9",
     install_requires=[],  # torch is required but must be installed beforehand (see README)
     ext_modules=[make_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": FlashExtBuild.with_options(use_ninja=True)},
     zip_safe=False,
 )

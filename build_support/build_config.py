@@ -44,6 +44,8 @@ __all__ = [
     "BuildConfig",
     "parse_archs",
     "gencode_flags",
+    "family_gencode_flags",
+    "source_gencode_flags",
     "parse_headdims",
     "parse_dtypes",
     "parse_bool",
@@ -101,7 +103,10 @@ class Family:
     hdims:     head dims this family has kernels for
     dtypes:    dtypes this family has kernels for
     needs_arch: if set, the family is only compiled when this target is in FLASH_EXT_ARCHS
-               (e.g. "90a" for a WGMMA/TMA path); None = built for every target
+               (e.g. "90a" for a WGMMA/TMA path), and only for that target; None = built for
+               every target
+    one_ptx:   compile the device code once, for the lowest target's virtual architecture, and
+               assemble every target's SASS from that PTX (see family_gencode_flags)
     splits:    kernels the launcher calls but does not compile itself (Split)
     """
 
@@ -111,6 +116,7 @@ class Family:
     hdims: tuple[int, ...] = ALL_HEADDIMS
     dtypes: tuple[str, ...] = ALL_DTYPES
     needs_arch: Optional[str] = None
+    one_ptx: bool = False
     splits: tuple[Split, ...] = ()
 
 
@@ -137,11 +143,15 @@ FAMILIES: tuple[Family, ...] = (
         name="fwd_sm80",
         header="sm80/fwd_launch.cuh",
         function="flash_ext::run_fwd_sm80<{hdim}, {is_bf16}>(flash_ext::FwdParams&, cudaStream_t)",
+        one_ptx=True,
     ),
     Family(
         name="bwd_sm80",
         header="sm80/bwd_launch.cuh",
         function="flash_ext::run_bwd_sm80<{hdim}, {is_bf16}>(flash_ext::BwdParams&, cudaStream_t)",
+        # not one_ptx: on sm_90 the dq accumulation uses 64-bit vector atomics (sm80/bwd_gmem.h),
+        # which compute_80 PTX cannot express; without them the varlen and dropout backward ran
+        # 13-40% slower on an H100 (docs/perf-notes.md, session 19).
         splits=_bwd_sm80_splits(),
     ),
     Family(
@@ -269,6 +279,49 @@ def gencode_flags(archs: Sequence[Arch]) -> list[str]:
         if a.ptx:
             flags.append(f"-gencode=arch=compute_{a.name},code=compute_{a.name}")
     return flags
+
+
+def family_gencode_flags(family: Family, archs: Sequence[Arch]) -> list[str]:
+    """The -gencode flags of ``family``'s files, where they differ from the build's.
+
+    - A family that needs one target (``needs_arch``, e.g. "90a") compiles for that target only:
+      no device pass for the others (its files are empty there).
+    - A ``one_ptx`` family (the sm80 kernels: mma.sync, ldmatrix, cp.async, nothing newer) runs
+      nvcc's front end and optimizer (cicc, most of a file's compile time) once, for the lowest
+      target, and ptxas assembles each target's SASS from that PTX: "80+PTX;90a" gives
+      ``-gencode=arch=compute_80,code=[sm_80,sm_90,compute_80]``. An arch-specific target ("90a")
+      gets its plain SASS (sm_90), which the GPU runs alike. When the lowest target is itself
+      arch-specific, its PTX runs on that GPU only, so the build's flags stay.
+    Other families: the build's flags (``gencode_flags``)."""
+    if family.needs_arch is not None:
+        return gencode_flags([a for a in archs if a.name == family.needs_arch])
+    if not family.one_ptx or not archs or not archs[0].name.isdigit():
+        return gencode_flags(archs)
+    low = archs[0].name
+    codes = []
+    for a in archs:
+        sass = f"sm_{a.number}"
+        if sass not in codes:
+            codes.append(sass)
+    codes += [f"compute_{low}"] if archs[0].ptx else []
+    flags = [f"-gencode=arch=compute_{low},code=[{','.join(codes)}]"]
+    flags += [f"-gencode=arch=compute_{a.name},code=compute_{a.name}" for a in archs[1:] if a.ptx]
+    return flags
+
+
+def source_gencode_flags(cfg: "BuildConfig", families: Sequence["Family"] = None) -> dict[str, list[str]]:
+    """File name (in csrc/instantiations/) -> its -gencode flags, for the files whose flags differ
+    from the build's (``gencode_flags(cfg.archs)``); setup.py gives them to those files alone."""
+    families = FAMILIES if families is None else families
+    build = gencode_flags(cfg.archs)
+    out = {}
+    for fam in families:
+        flags = family_gencode_flags(fam, cfg.archs)
+        if flags == build:
+            continue
+        for name in instantiation_files(cfg, [fam]):
+            out[name] = flags
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -144,3 +144,57 @@ def test_generated_files_up_to_date():
     import gen_instantiations
     assert gen_instantiations.main(["--check"]) == 0
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-file target lists (build_config.family_gencode_flags, build_support/per_source_flags.py)
+# ----------------------------------------------------------------------------------------------
+
+def _family(name):
+    return next(f for f in bc.FAMILIES if f.name == name)
+
+
+def test_default_build_per_file_gencode():
+    cfg = bc.BuildConfig.from_env({})
+    by_file = bc.source_gencode_flags(cfg)
+    # the sm80 forward: one compute_80 pass, SASS for sm_80 and sm_90 (H100) and the PTX
+    assert by_file["fwd_sm80_hdim128_bf16.cu"] == ["-gencode=arch=compute_80,code=[sm_80,sm_90,compute_80]"]
+    # Hopper-only families: the 90a pass only
+    assert by_file["fwd_sm90_hdim64_fp16.cu"] == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert by_file["bwd_sm90_hdim256_bf16.cu"] == ["-gencode=arch=compute_90a,code=sm_90a"]
+    # the sm80 backward keeps the build's passes (compute_90a for sm_90's vector atomics)
+    assert not any(n.startswith("bwd_sm80_") for n in by_file)
+    assert set(by_file) <= set(bc.instantiation_files(cfg))
+
+
+@pytest.mark.parametrize("archs, want", [
+    ("80;86;90a", ["-gencode=arch=compute_80,code=[sm_80,sm_86,sm_90]"]),
+    ("80;90+PTX;100a", ["-gencode=arch=compute_80,code=[sm_80,sm_90,sm_100]",
+                        "-gencode=arch=compute_90,code=compute_90"]),
+    ("86+PTX;120a", ["-gencode=arch=compute_86,code=[sm_86,sm_120,compute_86]"]),
+])
+def test_one_ptx_family_flags(archs, want):
+    assert bc.family_gencode_flags(_family("fwd_sm80"), bc.parse_archs(archs)) == want
+
+
+def test_one_ptx_keeps_build_flags_when_lowest_target_is_arch_specific():
+    archs = bc.parse_archs("90a;100a")  # compute_90a PTX runs on sm_90a only
+    assert bc.family_gencode_flags(_family("fwd_sm80"), archs) == bc.gencode_flags(archs)
+    assert bc.source_gencode_flags(bc.BuildConfig.from_env({"FLASH_EXT_ARCHS": "90a"})) == {}
+
+
+def test_rewrite_ninja_overrides_only_named_files():
+    from per_source_flags import rewrite_ninja
+    text = "\n".join([
+        "cuda_post_cflags = -O3 '-DX=\"a b\"' -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a -lineinfo",
+        "build /b/fwd_sm80_hdim64_bf16.o: cuda_compile /s/csrc/instantiations/fwd_sm80_hdim64_bf16.cu",
+        "build /b/bwd_sm80_hdim64_bf16.o: cuda_compile /s/csrc/instantiations/bwd_sm80_hdim64_bf16.cu",
+        "build /b/ops_fwd.o: compile /s/csrc/ops_fwd.cpp", ""])
+    new, matched = rewrite_ninja(text, {"fwd_sm80_hdim64_bf16.cu": ["-gencode=arch=compute_80,code=[sm_80,sm_90]"]})
+    assert matched == ["fwd_sm80_hdim64_bf16.cu"]
+    lines = new.split("\n")
+    i = lines.index("build /b/fwd_sm80_hdim64_bf16.o: cuda_compile /s/csrc/instantiations/fwd_sm80_hdim64_bf16.cu")
+    assert lines[i + 1] == ("  cuda_post_cflags = -O3 '-DX=\"a b\"' -lineinfo "
+                            "'-gencode=arch=compute_80,code=[sm_80,sm_90]'")
+    assert lines[i + 2].startswith("build /b/bwd_sm80")  # untouched: no override line
+    assert new.replace(lines[i + 1] + "\n", "") == text

@@ -1,7 +1,7 @@
 """Compare the SASS of the kernels between two versions of the sources (refactors must leave it
 byte-identical, or say where and why not).
 
-  python tools/sass_diff.py dump OUTDIR [--rev REV] [--arch 90a] FILE...
+  python tools/sass_diff.py dump OUTDIR [--rev REV] [--arch 90a|80:90] FILE...
       compile csrc/instantiations/FILE.cu (e.g. fwd_sm90_hdim128_bf16) with setup.py's kernel
       flags (no torch needed) and write OUTDIR/<function>.sass per kernel; --rev REV compiles
       that git revision's tree (a temporary worktree) instead of the working tree
@@ -157,8 +157,10 @@ def cmd_dump(args):
         src_root = Path(tmp)
     try:
         nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-        arch = args.arch
-        gencode = [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+        # "90a": compute_90a -> sm_90a; "80:90": SASS for sm_90 from compute_80 PTX (how the build
+        # compiles the sm80 kernels for a Hopper target).
+        virt, _, real = args.arch.partition(":")
+        gencode = [f"-gencode=arch=compute_{virt},code=sm_{real or virt}"]
         for f in args.files:
             name = f if f.endswith(".cu") else f + ".cu"
             src = src_root / "csrc" / "instantiations" / name
@@ -240,7 +242,7 @@ def main():
     d = sub.add_parser("dump")
     d.add_argument("outdir")
     d.add_argument("--rev")
-    d.add_argument("--arch", default="90a")
+    d.add_argument("--arch", default="90a", help='target, e.g. 90a or 80:90 (compute_80 PTX to sm_90 SASS)')
     d.add_argument("files", nargs="+")
     s = sub.add_parser("so")
     s.add_argument("outdir")
