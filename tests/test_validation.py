@@ -344,11 +344,13 @@ def test_max_seqlen_without_varlen(seed):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [-0.5, -30.0])
-def test_negative_softcap(seed, bad):
+@pytest.mark.parametrize("softcap", [-0.5, -30.0, 0, 0.0])
+def test_softcap_at_most_zero_is_off(seed, softcap):
+    """FlashAttention's convention: softcap <= 0 disables it (the op receives 0.0)."""
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="softcap must be >= 0"):
-        check(q, k, v, softcap=bad)
+    check(q, k, v, softcap=softcap)
+    assert flash_ext._scalar_args(64, None, False, (-1, -1), softcap)[4] == 0.0
+    assert flash_ext._scalar_args(64, None, False, (-1, -1), 30)[4] == 30.0
 
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
