@@ -8,8 +8,10 @@ return values of FlashAttention-2's ``flash_attn.bert_padding`` (>= 2.7; also im
     out = flash_ext.pad_input(out_unpad, indices, batch, seqlen)
 
 A token is kept where attention_mask (bool or integer, (batch, seqlen)) is nonzero, or, when
-``unused_mask`` is given, where either mask is nonzero; kept tokens keep their order (row-major
-over (batch, seqlen)), so left padding, right padding and holes all work. Both functions are
+``unused_mask`` is given, where either mask is nonzero (a position marked in both counts once);
+kept tokens keep their order (row-major over (batch, seqlen)), so left padding, right padding
+and holes all work. A float mask is refused: transformers' additive masks are 0 where a token
+is attended, the opposite of this convention. Both functions are
 differentiable (index_select / index_copy, whose gradients autograd knows: a gather one way, a
 scatter the other, padding positions get zero gradient), with no Python loop over the batch.
 unpad_input synchronises with the device once for the indices (their number depends on the mask)
