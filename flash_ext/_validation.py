@@ -371,16 +371,15 @@ def _check_window_tensor(window_size: torch.Tensor) -> None:
 
 def _window_items(window_size):
     """The two items of a length-2 sequence; FlashExtValueError for anything else."""
-    not_a_pair = FlashExtValueError(
-        f"flash_ext: window_size must be a pair (left, right) of ints; got {window_size!r}")
-    if isinstance(window_size, (str, bytes, dict)) or not hasattr(window_size, "__getitem__"):
-        raise not_a_pair
-    try:
-        n = len(window_size)
-    except TypeError:  # e.g. a 0-d numpy array
-        raise not_a_pair from None
+    n = None
+    if not isinstance(window_size, (str, bytes, dict)) and hasattr(window_size, "__getitem__"):
+        try:
+            n = len(window_size)
+        except TypeError:  # e.g. a 0-d numpy array
+            pass
     if n != 2:
-        raise not_a_pair
+        raise FlashExtValueError(
+            f"flash_ext: window_size must be a pair (left, right) of ints; got {window_size!r}")
     return window_size[0], window_size[1]
 
 
