@@ -81,7 +81,7 @@ def test_csrc_raises_runtime_errors_only():
     for path in (ROOT / "csrc").rglob("*"):
         if path.suffix in (".cpp", ".h", ".cu", ".cuh", ".hpp"):
             for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-                if pattern.search(line):
+                if pattern.search(line.split("//", 1)[0]):  # code, not comments
                     hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert hits == [], "\n".join(hits)
 
