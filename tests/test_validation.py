@@ -493,12 +493,13 @@ def test_packed_cpu_raises_device_error(seed):
 
 
 def test_entry_points_leave_the_checks_to_validation():
-    """attn_fwd, attn_bwd and the FlashAttention-compatible functions raise nothing themselves:
-    every check on user input is in flash_ext/_validation.py."""
+    """attn_fwd, attn_bwd, the FlashAttention-compatible functions, scaled_dot_product_attention
+    and the padding helpers raise nothing themselves: every check on user input is in
+    flash_ext/_validation.py."""
     import ast
     import inspect
-    from flash_ext import interface
-    for module in (flash_ext, interface):
+    from flash_ext import bert_padding, interface, padding, sdpa
+    for module in (flash_ext, interface, sdpa, padding, bert_padding):
         raises = [n.lineno for n in ast.walk(ast.parse(inspect.getsource(module)))
                   if isinstance(n, ast.Raise)]
         assert raises == [], f"{module.__name__} raises at lines {raises}"
