@@ -249,3 +249,17 @@ def test_float32_rejected(meta_ok):
     with pytest.raises(TypeError, match="float16 and bfloat16 only") as info:
         flash_ext.scaled_dot_product_attention(q, q, q)
     assert isinstance(info.value, RuntimeError)
+
+
+@pytest.mark.parametrize("sq,sk", [(6, 0), (0, 6), (0, 0)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_empty_sequences_as_torch(kernels, sq, sk, is_causal):
+    """No key: output 0 (torch's too); no query: an empty output. Nothing is launched."""
+    q, k, v = leaves(rnd(1, 2, sq, 64), rnd(1, 2, sk, 64), rnd(1, 2, sk, 64))
+    out = flash_ext.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal)
+    assert out.shape == want.shape and torch.equal(out.float(), want)
+    assert kernels.fwd_calls == []
+    out.float().sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.all(t.grad == 0)
