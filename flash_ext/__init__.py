@@ -8,6 +8,11 @@ or bfloat16 CUDA tensors; or varlen q (total_q, nheads_q, headdim) with cu_seqle
 attn_fwd and the FlashAttention-2-compatible functions (flash_attn_func,
 flash_attn_varlen_func, ...) are differentiable: autograd (eager or torch.compile) runs the
 backward kernel; attn_bwd calls it explicitly.
+
+Also: scaled_dot_product_attention (torch's SDPA signature and (batch, nheads, seqlen, headdim)
+layout, flash_ext.sdpa), unpad_input / pad_input (FlashAttention's bert_padding helpers,
+flash_ext.padding, also as flash_ext.bert_padding). Bad input raises a FlashExtError, a
+RuntimeError (and a ValueError, TypeError or NotImplementedError as fits: flash_ext.errors).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch.nn.functional as F
 from flash_ext import _validation
 from flash_ext import ops
 from flash_ext import reference
+from flash_ext.errors import (DeviceError, FlashExtError, FlashExtNotImplementedError,
+                              FlashExtTypeError, FlashExtValueError)
 from flash_ext.ops import _ALIGN, _aligned, _is_aligned, build_info  # noqa: F401
 
 __version__ = "0.1.0"
@@ -37,15 +44,25 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "scaled_dot_product_attention",
+    "unpad_input",
+    "pad_input",
+    "FlashExtError",
+    "FlashExtValueError",
+    "FlashExtTypeError",
+    "FlashExtNotImplementedError",
+    "DeviceError",
 ]
 
 
 def _scalar_args(d: int, softmax_scale, causal: bool, window_size, softcap):
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    window_left, window_right = int(window_size[0]), int(window_size[1])
+    window_left, window_right = _validation.window_pair(window_size)
     if causal:
         window_right = 0
-    return scale, bool(causal), window_left, window_right, float(softcap)
+    softcap = float(softcap)
+    return (scale, bool(causal), int(window_left), int(window_right),
+            softcap if softcap > 0.0 else 0.0)  # softcap <= 0: off
 
 
 def _padded_head_dim(d: int) -> int:
@@ -78,7 +95,9 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             seqlen_q != seqlen_k. Same as window_size=(window_left, 0).
         window_size: (left, right) local attention window, bottom-right aligned: query row i
             sees keys j with i + sk - sq - left <= j <= i + sk - sq + right; -1 = unbounded.
-        softcap: if > 0, scores become softcap * tanh(scores / softcap).
+            Any length-2 sequence of ints (or numpy / torch integer scalars), or a 2-element
+            integer tensor (read with one .tolist(): a host sync if it is on the GPU).
+        softcap: if > 0, scores become softcap * tanh(scores / softcap); <= 0 is off.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths (varlen).
         max_seqlen_q, max_seqlen_k: longest query / key sequence (varlen only).
         deterministic: make the backward of this call (through autograd) bitwise reproducible
@@ -248,3 +267,6 @@ from flash_ext.interface import (  # noqa: E402
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from flash_ext.padding import pad_input, unpad_input  # noqa: E402
+from flash_ext.sdpa import scaled_dot_product_attention  # noqa: E402
+from flash_ext import bert_padding  # noqa: E402,F401  (FlashAttention's module name)

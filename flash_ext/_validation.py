@@ -2,14 +2,16 @@
 lives here once; the entry points (flash_ext.attn_fwd, attn_bwd and the FlashAttention-compatible
 functions of flash_ext.interface) only call them.
 
-Every check raises a clear Python error naming the offending argument:
+Every check raises a clear Python error naming the offending argument, one of the classes of
+flash_ext/errors.py, all of them ``RuntimeError`` subclasses (FlashAttention's convention):
 
-- ``TypeError`` for a wrong dtype or a wrong argument type (a non-tensor, a missing tensor),
-- ``ValueError`` for bad values and shapes,
-- :class:`DeviceError` (a subclass of both ``ValueError`` and ``RuntimeError``) for tensors
-  that are not on CUDA or not on one device,
-- ``NotImplementedError`` for FlashAttention features flash_ext does not have,
-- ``RuntimeError`` for ``out=`` with inputs that require grad.
+- :class:`FlashExtTypeError` (a ``TypeError``) for a wrong dtype or a wrong argument type (a
+  non-tensor, a missing tensor),
+- :class:`FlashExtValueError` (a ``ValueError``) for bad values and shapes,
+- :class:`DeviceError` (a ``FlashExtValueError``) for tensors that are not on CUDA or not on
+  one device,
+- :class:`FlashExtNotImplementedError` for features flash_ext does not have,
+- :class:`FlashExtError` for ``out=`` with inputs that require grad.
 
 Each check is a small function that can be tested on its own (tests pass
 ``require_cuda=False`` to reach the checks behind the device check on a CPU-only machine).
@@ -36,10 +38,14 @@ longer than ``max_seqlen``). They read the values back with one small device op 
 from __future__ import annotations
 
 import math
+import operator
 import os
 from typing import Optional, Sequence
 
 import torch
+
+from flash_ext.errors import (DeviceError, FlashExtError, FlashExtNotImplementedError,
+                              FlashExtTypeError, FlashExtValueError)
 
 __all__ = [
     "DeviceError",
@@ -56,6 +62,7 @@ __all__ = [
     "check_softmax_scale",
     "check_softcap",
     "check_window_size",
+    "window_pair",
     "check_dropout",
     "check_like",
     "check_out_without_grad",
@@ -64,6 +71,9 @@ __all__ = [
     "check_bwd_inputs",
     "check_unsupported",
     "check_packed",
+    "check_sdpa_inputs",
+    "check_unpad_inputs",
+    "check_pad_inputs",
 ]
 
 MAX_HEADDIM = 256
@@ -72,12 +82,6 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Value checks of cu_seqlens on CUDA tensors (one host sync per call); see the module docstring.
 CHECK_CU_SEQLENS_VALUES = os.environ.get("FLASH_EXT_CHECK_CU_SEQLENS", "1").strip().lower() not in (
     "0", "false", "no", "off")
-
-
-class DeviceError(ValueError, RuntimeError):
-    """A tensor is not a CUDA tensor, or the tensors of one call are on different devices.
-
-    Subclasses both ValueError and RuntimeError, so either ``except`` clause catches it."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -111,10 +115,10 @@ def check_devices(tensors: dict, *, require_cuda: bool = True, required=()) -> N
     for name, t in tensors.items():
         if t is None:
             if name in required:
-                raise TypeError(f"flash_ext: {name} must be a torch.Tensor, got None")
+                raise FlashExtTypeError(f"flash_ext: {name} must be a torch.Tensor, got None")
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flash_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise FlashExtTypeError(f"flash_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
         if require_cuda and t.device.type != "cuda":
             raise DeviceError(f"flash_ext needs CUDA tensors; got {name} on {t.device}")
         if first_dev is None:
@@ -129,11 +133,11 @@ def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q, k, v must all be float16 or all bfloat16 (TypeError otherwise)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
+            raise FlashExtTypeError(
                 f"flash_ext supports float16 and bfloat16 only; got {name} of dtype "
                 f"{_dtype_name(t.dtype)}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
+        raise FlashExtTypeError(
             f"flash_ext: q, k and v must have the same dtype; got q {_dtype_name(q.dtype)}, "
             f"k {_dtype_name(k.dtype)}, v {_dtype_name(v.dtype)}")
 
@@ -150,32 +154,32 @@ def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: 
             extra = ""
             if not varlen and t.dim() == 3:
                 extra = "; 3-D inputs are varlen: pass cu_seqlens_q, cu_seqlens_k and max_seqlen_q/k"
-            raise ValueError(
+            raise FlashExtValueError(
                 f"flash_ext: {name} must be {ndim}-D {layout}{' for varlen' if varlen else ''}; "
                 f"got {name} of shape {_shape(t)}{extra}")
     if k.shape != v.shape:
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: k and v must have the same shape; got k {_shape(k)} and v {_shape(v)}")
     if not varlen and q.shape[0] != k.shape[0]:
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: q and k must have the same batch size; got q {_shape(q)} and k {_shape(k)}")
     d = q.shape[-1]
     if k.shape[-1] != d:
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: q, k and v must have the same head dim; got q {_shape(q)}, k {_shape(k)}, "
             f"v {_shape(v)}")
     if d < 1 or d > MAX_HEADDIM:
-        raise ValueError(f"flash_ext: head dim must be between 1 and {MAX_HEADDIM}; got {d}")
+        raise FlashExtValueError(f"flash_ext: head dim must be between 1 and {MAX_HEADDIM}; got {d}")
     hq, hkv = q.shape[-2], k.shape[-2]
     if hkv < 1 or hq < 1:
-        raise ValueError(f"flash_ext: the number of heads must be >= 1; got q {hq}, k/v {hkv}")
+        raise FlashExtValueError(f"flash_ext: the number of heads must be >= 1; got q {hq}, k/v {hkv}")
     if hq % hkv != 0:
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: the number of query heads ({hq}) must be a multiple of the number of "
             f"key/value heads ({hkv})")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1 and t.shape[-1] != 1:
-            raise ValueError(
+            raise FlashExtValueError(
                 f"flash_ext: the last dimension of {name} must be contiguous (stride 1); got "
                 f"strides {tuple(t.stride())}. Call .contiguous() on it first.")
 
@@ -188,21 +192,21 @@ def check_cu_seqlens(cu_seqlens_q: Optional[torch.Tensor],
     the same length. (That they are tensors on q's device is :func:`check_devices`'s part.)"""
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         given = "cu_seqlens_q" if cu_seqlens_q is not None else "cu_seqlens_k"
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: cu_seqlens_q and cu_seqlens_k must be given together (varlen) or not at "
             f"all; only {given} was given")
     if cu_seqlens_q is None:
         return False
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32:
-            raise TypeError(f"flash_ext: {name} must be int32; got {_dtype_name(cu.dtype)}")
+            raise FlashExtTypeError(f"flash_ext: {name} must be int32; got {_dtype_name(cu.dtype)}")
         if cu.dim() != 1:
-            raise ValueError(f"flash_ext: {name} must be 1-D (batch + 1,); got shape {_shape(cu)}")
+            raise FlashExtValueError(f"flash_ext: {name} must be 1-D (batch + 1,); got shape {_shape(cu)}")
         if cu.shape[0] < 2:
-            raise ValueError(
+            raise FlashExtValueError(
                 f"flash_ext: {name} must have batch + 1 >= 2 entries; got shape {_shape(cu)}")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     return True
@@ -243,16 +247,16 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total: int, max_seqlen: in
     # One small tensor, one transfer: [first, last, min length, max length].
     first, last, min_len, max_len = torch.stack([cu[0], cu[-1], lens.min(), lens.max()]).tolist()
     if first != 0:
-        raise ValueError(f"flash_ext: {name} must start at 0; got {name}[0] = {first}")
+        raise FlashExtValueError(f"flash_ext: {name} must start at 0; got {name}[0] = {first}")
     if min_len < 0:
-        raise ValueError(f"flash_ext: {name} must be non-decreasing; got {cu_seqlens.tolist()}")
+        raise FlashExtValueError(f"flash_ext: {name} must be non-decreasing; got {cu_seqlens.tolist()}")
     if last != total:
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: {name}[-1] must equal the number of tokens ({total}); got {last}")
     if max_len > max_seqlen:
         which = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k" if name.endswith("_k") \
             else "max_seqlen"
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: {which} ({max_seqlen}) is smaller than the longest sequence in {name} "
             f"({max_len})")
 
@@ -262,16 +266,16 @@ def check_max_seqlen(max_seqlen_q, max_seqlen_k, varlen: bool) -> None:
     if not varlen:
         for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if m is not None:
-                raise ValueError(
+                raise FlashExtValueError(
                     f"flash_ext: {name} is only used with varlen inputs (cu_seqlens_q/cu_seqlens_k)")
         return
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if m is None:
-            raise ValueError(f"flash_ext: varlen inputs need {name} (the longest sequence length)")
+            raise FlashExtValueError(f"flash_ext: varlen inputs need {name} (the longest sequence length)")
         if not _is_int(m):
-            raise TypeError(f"flash_ext: {name} must be an int; got {type(m).__name__}")
+            raise FlashExtTypeError(f"flash_ext: {name} must be an int; got {type(m).__name__}")
         if m < 0:
-            raise ValueError(f"flash_ext: {name} must be >= 0; got {m}")
+            raise FlashExtValueError(f"flash_ext: {name} must be >= 0; got {m}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,28 +283,26 @@ def check_max_seqlen(max_seqlen_q, max_seqlen_k, varlen: bool) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def check_softmax_scale(softmax_scale) -> None:
+def check_softmax_scale(softmax_scale, name: str = "softmax_scale") -> None:
     """None (default 1/sqrt(head dim)) or a finite number > 0 (the kernels take the row max of
     the unscaled scores, which is the max of the scaled ones only for a positive scale)."""
     if softmax_scale is None:
         return
     if not _is_number(softmax_scale):
-        raise TypeError(
-            f"flash_ext: softmax_scale must be a float or None; got {type(softmax_scale).__name__}")
+        raise FlashExtTypeError(
+            f"flash_ext: {name} must be a float or None; got {type(softmax_scale).__name__}")
     if isinstance(softmax_scale, (int, float)) and not math.isfinite(softmax_scale):
-        raise ValueError(f"flash_ext: softmax_scale must be finite; got {softmax_scale}")
+        raise FlashExtValueError(f"flash_ext: {name} must be finite; got {softmax_scale}")
     if softmax_scale <= 0:
-        raise ValueError(f"flash_ext: softmax_scale must be > 0; got {softmax_scale}")
+        raise FlashExtValueError(f"flash_ext: {name} must be > 0; got {softmax_scale}")
 
 
 def check_softcap(softcap) -> None:
-    """A finite number >= 0 (0 = off)."""
+    """A finite number; > 0 caps the scores, <= 0 means off (FlashAttention's convention)."""
     if not _is_number(softcap):
-        raise TypeError(f"flash_ext: softcap must be a float; got {type(softcap).__name__}")
+        raise FlashExtTypeError(f"flash_ext: softcap must be a float; got {type(softcap).__name__}")
     if isinstance(softcap, (int, float)) and not math.isfinite(softcap):
-        raise ValueError(f"flash_ext: softcap must be finite; got {softcap}")
-    if softcap < 0:
-        raise ValueError(f"flash_ext: softcap must be >= 0 (0 disables it); got {softcap}")
+        raise FlashExtValueError(f"flash_ext: softcap must be finite; got {softcap}")
 
 
 def check_dropout(dropout_p, rng_state=None, *, need_rng_state: bool = False) -> None:
@@ -308,36 +310,93 @@ def check_dropout(dropout_p, rng_state=None, *, need_rng_state: bool = False) ->
     [seed, offset] (what attn_fwd returns with dropout). need_rng_state: the backward, which
     must regenerate the forward's mask, needs it when dropout_p > 0."""
     if not _is_number(dropout_p):
-        raise TypeError(f"flash_ext: dropout_p must be a float; got {type(dropout_p).__name__}")
+        raise FlashExtTypeError(f"flash_ext: dropout_p must be a float; got {type(dropout_p).__name__}")
     if isinstance(dropout_p, (int, float)) and not (0.0 <= dropout_p <= 1.0):
-        raise ValueError(f"flash_ext: dropout_p must be a number in [0, 1]; got {dropout_p!r}")
+        raise FlashExtValueError(f"flash_ext: dropout_p must be a number in [0, 1]; got {dropout_p!r}")
     if rng_state is None:
         if need_rng_state and dropout_p > 0:
-            raise ValueError(
+            raise FlashExtValueError(
                 "flash_ext: dropout_p > 0 in the backward needs the forward's rng_state (the "
                 "third value attn_fwd returns with dropout)")
         return
     if not isinstance(rng_state, torch.Tensor):
-        raise TypeError(
+        raise FlashExtTypeError(
             f"flash_ext: rng_state must be a torch.Tensor or None; got {type(rng_state).__name__}")
     if rng_state.dtype != torch.int64 or rng_state.numel() != 2 or rng_state.device.type != "cpu":
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: rng_state must be an int64 CPU tensor of 2 elements [seed, offset]; got "
             f"{_dtype_name(rng_state.dtype)} {_shape(rng_state)} on {rng_state.device}")
 
 
 def check_window_size(window_size) -> None:
-    """A pair (left, right) of ints, each >= -1 (-1 = unbounded)."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(
-            f"flash_ext: window_size must be a pair (left, right); got {window_size!r}")
-    for side, w in zip(("left", "right"), window_size):
-        if not _is_int(w):
-            raise TypeError(
-                f"flash_ext: window_size {side} must be an int; got {type(w).__name__}")
-        if w < -1:
-            raise ValueError(
-                f"flash_ext: window_size {side} must be >= -1 (-1 = unbounded); got {w}")
+    """window_size as :func:`window_pair` takes it. A CUDA tensor's values are not read here
+    (that would be a second host sync): :func:`window_pair`, which the entry points call before
+    any launch, reads and checks them once."""
+    if isinstance(window_size, torch.Tensor) and window_size.device.type != "cpu":
+        _check_window_tensor(window_size)
+        return
+    window_pair(window_size)
+
+
+def window_pair(window_size) -> tuple:
+    """window_size as a pair (left, right) of Python ints, each >= -1 (-1 = unbounded).
+
+    Takes what FlashAttention's callers pass: any length-2 sequence (tuple, list, 1-D numpy
+    array, ...) of ints, numpy integer scalars or one-element integer tensors, or a 2-element
+    1-D integer tensor (its values are read with one ``.tolist()``: a host sync for a CUDA
+    tensor). Raises FlashExtValueError / FlashExtTypeError otherwise."""
+    if type(window_size) is tuple and len(window_size) == 2:  # the common case, kept cheap
+        left, right = window_size
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return window_size
+    if isinstance(window_size, torch.Tensor):
+        _check_window_tensor(window_size)
+        left, right = window_size.tolist()
+    else:
+        left, right = _window_items(window_size)
+    return _window_bound("left", left), _window_bound("right", right)
+
+
+def _check_window_tensor(window_size: torch.Tensor) -> None:
+    if window_size.dim() != 1 or window_size.shape[0] != 2:
+        raise FlashExtValueError(
+            f"flash_ext: window_size must be a pair (left, right); got a tensor of shape "
+            f"{_shape(window_size)}")
+    if window_size.dtype == torch.bool or window_size.dtype.is_floating_point \
+            or window_size.dtype.is_complex:
+        raise FlashExtTypeError(
+            f"flash_ext: window_size must hold integers; got a tensor of dtype "
+            f"{_dtype_name(window_size.dtype)}")
+
+
+def _window_items(window_size):
+    """The two items of a length-2 sequence; FlashExtValueError for anything else."""
+    n = None
+    if not isinstance(window_size, (str, bytes, dict)) and hasattr(window_size, "__getitem__"):
+        try:
+            n = len(window_size)
+        except TypeError:  # e.g. a 0-d numpy array
+            pass
+    if n != 2:
+        raise FlashExtValueError(
+            f"flash_ext: window_size must be a pair (left, right) of ints; got {window_size!r}")
+    return window_size[0], window_size[1]
+
+
+def _window_bound(side: str, w):
+    """One side of window_size as an int (SymInts pass through for torch.compile)."""
+    if not _is_int(w):
+        if isinstance(w, bool) or (isinstance(w, torch.Tensor) and w.dtype == torch.bool):
+            raise FlashExtTypeError(f"flash_ext: window_size {side} must be an int; got a bool")
+        try:
+            w = operator.index(w)  # numpy integer scalars, one-element integer tensors
+        except TypeError:
+            raise FlashExtTypeError(
+                f"flash_ext: window_size {side} must be an int; got {type(w).__name__}") from None
+    if w < -1:
+        raise FlashExtValueError(
+            f"flash_ext: window_size {side} must be >= -1 (-1 = unbounded); got {w}")
+    return w
 
 
 def check_like(t: Optional[torch.Tensor], ref: torch.Tensor, name: str, ref_name: str) -> None:
@@ -346,11 +405,11 @@ def check_like(t: Optional[torch.Tensor], ref: torch.Tensor, name: str, ref_name
     if t is None:
         return
     if t.dtype != ref.dtype:
-        raise TypeError(
+        raise FlashExtTypeError(
             f"flash_ext: {name} must have {ref_name}'s dtype ({_dtype_name(ref.dtype)}); got "
             f"{_dtype_name(t.dtype)}")
     if t.shape != ref.shape:
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: {name} must have {ref_name}'s shape {_shape(ref)}; got {_shape(t)}")
 
 
@@ -360,7 +419,7 @@ def check_out_without_grad(out: Optional[torch.Tensor], q: torch.Tensor, k: torc
     when a gradient may be needed (RuntimeError)."""
     if out is not None and torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad):
-        raise RuntimeError(
+        raise FlashExtError(
             "flash_ext.attn_fwd: out= does not support automatic differentiation (one of q, k, "
             "v requires grad); call it without out=")
 
@@ -369,7 +428,7 @@ def check_lse(lse: torch.Tensor, q: torch.Tensor, varlen: bool) -> None:
     """``lse`` as the forward returned it: float32, (batch, nheads_q, seqlen_q) or varlen
     (nheads_q, total_q)."""
     if lse.dtype != torch.float32:
-        raise TypeError(
+        raise FlashExtTypeError(
             f"flash_ext: lse must be float32 (as the forward returns it); got "
             f"{_dtype_name(lse.dtype)}")
     if varlen:
@@ -377,7 +436,7 @@ def check_lse(lse: torch.Tensor, q: torch.Tensor, varlen: bool) -> None:
     else:
         expected, layout = (q.shape[0], q.shape[2], q.shape[1]), "(batch, nheads_q, seqlen_q)"
     if tuple(lse.shape) != tuple(expected):
-        raise ValueError(
+        raise FlashExtValueError(
             f"flash_ext: lse must have shape {layout} = ({', '.join(str(s) for s in expected)}), "
             f"as the forward returns it; got {_shape(lse)}")
 
@@ -458,9 +517,9 @@ def _check_attention_inputs(q, k, v, softmax_scale, window_size, softcap, cu_seq
 def check_unsupported(fn: str, alibi_slopes, block_table=None) -> None:
     """FlashAttention arguments flash_ext does not implement (NotImplementedError)."""
     if alibi_slopes is not None:
-        raise NotImplementedError(f"flash_ext.{fn}: alibi_slopes are not supported yet")
+        raise FlashExtNotImplementedError(f"flash_ext.{fn}: alibi_slopes are not supported yet")
     if block_table is not None:
-        raise NotImplementedError(
+        raise FlashExtNotImplementedError(
             f"flash_ext.{fn}: block_table (paged KV cache) is not supported yet")
 
 
@@ -469,4 +528,135 @@ def check_packed(fn: str, name: str, t, dim: int, n: int, ndim: int, layout: str
     (ValueError naming the expected ``layout`` otherwise)."""
     if not isinstance(t, torch.Tensor) or t.dim() != ndim or t.shape[dim] != n:
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"flash_ext.{fn}: {name} must have shape {layout}; got {shape}")
+        raise FlashExtValueError(f"flash_ext.{fn}: {name} must have shape {layout}; got {shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_ext.scaled_dot_product_attention: its own arguments, in its (batch, nheads, seqlen,
+# headdim) layout, checked before attn_fwd's checks (devices, dtypes, head dim, dropout)
+# ----------------------------------------------------------------------------------------------
+
+ATTN_MASK_ALTERNATIVES = (
+    "flash_ext.scaled_dot_product_attention does not take attn_mask: flash_ext's kernels never "
+    "read an O(seqlen_q * seqlen_k) mask. Instead: is_causal=True for a causal mask; for a "
+    "padding mask, flash_ext.unpad_input, then flash_ext.flash_attn_varlen_func (cu_seqlens), "
+    "then flash_ext.pad_input; window_size= of flash_ext.flash_attn_func / attn_fwd for a "
+    "sliding window. Column-wise sparse masks (FlashMask) are planned.")
+
+
+def check_sdpa_inputs(query, key, value, attn_mask, scale, enable_gqa) -> None:
+    """attn_mask (unsupported: FlashExtNotImplementedError naming the alternatives), the three
+    tensors 4-D (batch, nheads, seqlen, headdim) with one batch size, key and value of one shape,
+    one head dim, and the head counts as torch's SDPA takes them: equal, or a key/value head
+    count that divides the query's with enable_gqa=True, or one key/value head (broadcast)."""
+    if attn_mask is not None:
+        raise FlashExtNotImplementedError(ATTN_MASK_ALTERNATIVES)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise FlashExtTypeError(
+                f"flash_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise FlashExtValueError(
+                f"flash_ext.scaled_dot_product_attention: {name} must be 4-D (batch, nheads, "
+                f"seqlen, headdim); got shape {_shape(t)}")
+    if not (query.shape[0] == key.shape[0] == value.shape[0]):
+        raise FlashExtValueError(
+            f"flash_ext.scaled_dot_product_attention: query, key and value must have the same "
+            f"batch size (no broadcasting); got query {_shape(query)}, key {_shape(key)}, "
+            f"value {_shape(value)}")
+    if key.shape[:3] != value.shape[:3]:
+        raise FlashExtValueError(
+            f"flash_ext.scaled_dot_product_attention: key and value must have the same batch, "
+            f"nheads and seqlen; got key {_shape(key)} and value {_shape(value)}")
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
+        raise FlashExtValueError(
+            f"flash_ext.scaled_dot_product_attention: query, key and value must have the same "
+            f"head dim (a value head dim other than the query's is not supported); got query "
+            f"{_shape(query)}, key {_shape(key)}, value {_shape(value)}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq != hkv and hkv != 1:
+        if not enable_gqa:
+            raise FlashExtValueError(
+                f"flash_ext.scaled_dot_product_attention: query has {hq} heads and key/value "
+                f"{hkv}; pass enable_gqa=True for grouped-query attention")
+        if hkv == 0 or hq % hkv != 0:
+            raise FlashExtValueError(
+                f"flash_ext.scaled_dot_product_attention: the number of key/value heads ({hkv}) "
+                f"must divide the number of query heads ({hq})")
+    check_softmax_scale(scale, "scale")
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_ext.padding (unpad_input / pad_input)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_token_mask(mask, name: str, hidden_states: torch.Tensor) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise FlashExtTypeError(f"flash_ext: {name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise FlashExtTypeError(
+            f"flash_ext: {name} must be bool or integer (nonzero = a token, 0 = padding); got "
+            f"{_dtype_name(mask.dtype)}. (An additive float mask, 0 where attended, converts "
+            f"with mask == 0.)")
+    if mask.dim() != 2 or tuple(mask.shape) != tuple(hidden_states.shape[:2]):
+        raise FlashExtValueError(
+            f"flash_ext: {name} must be (batch, seqlen) = {tuple(hidden_states.shape[:2])}, the "
+            f"first two dims of hidden_states {_shape(hidden_states)}; got {_shape(mask)}")
+    if mask.device != hidden_states.device:
+        raise DeviceError(
+            f"flash_ext: {name} must be on hidden_states' device ({hidden_states.device}); got "
+            f"{mask.device}")
+
+
+def check_unpad_inputs(hidden_states, attention_mask, unused_mask) -> None:
+    """hidden_states a tensor (batch, seqlen, ...); attention_mask and unused_mask (optional)
+    bool or integer (batch, seqlen) on its device."""
+    if not isinstance(hidden_states, torch.Tensor):
+        raise FlashExtTypeError(
+            f"flash_ext: hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+    if hidden_states.dim() < 2:
+        raise FlashExtValueError(
+            f"flash_ext: hidden_states must be (batch, seqlen, ...); got shape "
+            f"{_shape(hidden_states)}")
+    _check_token_mask(attention_mask, "attention_mask", hidden_states)
+    if unused_mask is not None:
+        _check_token_mask(unused_mask, "unused_mask", hidden_states)
+
+
+def check_pad_inputs(hidden_states, indices, batch, seqlen) -> None:
+    """hidden_states (total, ...), indices 1-D integer (total,) on its device, batch and seqlen
+    ints >= 0. The values of indices (each in [0, batch * seqlen)) are checked when they are on
+    the CPU (no host sync); on CUDA an index out of range is a device-side error."""
+    if not isinstance(hidden_states, torch.Tensor):
+        raise FlashExtTypeError(
+            f"flash_ext: hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+    if not isinstance(indices, torch.Tensor):
+        raise FlashExtTypeError(
+            f"flash_ext: indices must be a torch.Tensor, got {type(indices).__name__}")
+    for name, n in (("batch", batch), ("seqlen", seqlen)):
+        if not _is_int(n):
+            raise FlashExtTypeError(f"flash_ext: {name} must be an int; got {type(n).__name__}")
+        if n < 0:
+            raise FlashExtValueError(f"flash_ext: {name} must be >= 0; got {n}")
+    if hidden_states.dim() < 1:
+        raise FlashExtValueError("flash_ext: hidden_states must be (total_tokens, ...); got a 0-d "
+                                 "tensor")
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise FlashExtTypeError(
+            f"flash_ext: indices must be int64 or int32 (as unpad_input returns them); got "
+            f"{_dtype_name(indices.dtype)}")
+    if indices.dim() != 1 or indices.shape[0] != hidden_states.shape[0]:
+        raise FlashExtValueError(
+            f"flash_ext: indices must be 1-D with one entry per row of hidden_states "
+            f"({hidden_states.shape[0]}); got shape {_shape(indices)}")
+    if indices.device != hidden_states.device:
+        raise DeviceError(
+            f"flash_ext: indices must be on hidden_states' device ({hidden_states.device}); got "
+            f"{indices.device}")
+    if indices.device.type == "cpu" and indices.numel() > 0:
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= batch * seqlen:
+            raise FlashExtValueError(
+                f"flash_ext: indices must lie in [0, batch * seqlen) = [0, {batch * seqlen}); "
+                f"got values from {lo} to {hi}")

@@ -25,7 +25,12 @@ All of them are differentiable (autograd, eager or torch.compile): the gradients
 that backward bitwise reproducible (no atomics; more workspace, somewhat slower); the forward
 is deterministic either way. The returned lse carries no gradient.
 
-Not supported yet (NotImplementedError): alibi_slopes, block_table (paged KV).
+Arguments as FlashAttention takes them: window_size any length-2 sequence of ints (or numpy /
+torch integer scalars) or a 2-element integer tensor; softcap <= 0 is off. Bad input raises a
+flash_ext.FlashExtError (a RuntimeError; also a ValueError / TypeError as fits).
+
+Not supported yet (FlashExtNotImplementedError, a NotImplementedError): alibi_slopes,
+block_table (paged KV).
 """
 
 from __future__ import annotations
@@ -103,7 +108,8 @@ def _run(q, k, v, dropout_p, return_attn_probs: bool, **kw):
         return out, lse, None
     s_dmask = _dropped_probs(
         q, k, lse, res[2], dropout_p, kw.get("softmax_scale"), kw.get("causal", False),
-        kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0), kw.get("cu_seqlens_q"),
+        _validation.window_pair(kw.get("window_size", (-1, -1))), kw.get("softcap", 0.0),
+        kw.get("cu_seqlens_q"),
         kw.get("cu_seqlens_k"), kw.get("max_seqlen_q"), kw.get("max_seqlen_k"))
     return out, lse, s_dmask
 

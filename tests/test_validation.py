@@ -12,6 +12,8 @@ import flash_ext
 from flash_ext import _validation as V
 from flash_ext._validation import DeviceError
 
+from conftest import requires_cuda
+
 
 def t(*shape, dtype=torch.float16, device="cpu"):
     return torch.randn(*shape, device=device).to(dtype)
@@ -344,11 +346,13 @@ def test_max_seqlen_without_varlen(seed):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [-0.5, -30.0])
-def test_negative_softcap(seed, bad):
+@pytest.mark.parametrize("softcap", [-0.5, -30.0, 0, 0.0])
+def test_softcap_at_most_zero_is_off(seed, softcap):
+    """FlashAttention's convention: softcap <= 0 disables it (the op receives 0.0)."""
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="softcap must be >= 0"):
-        check(q, k, v, softcap=bad)
+    check(q, k, v, softcap=softcap)
+    assert flash_ext._scalar_args(64, None, False, (-1, -1), softcap)[4] == 0.0
+    assert flash_ext._scalar_args(64, None, False, (-1, -1), 30)[4] == 30.0
 
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
@@ -489,12 +493,13 @@ def test_packed_cpu_raises_device_error(seed):
 
 
 def test_entry_points_leave_the_checks_to_validation():
-    """attn_fwd, attn_bwd and the FlashAttention-compatible functions raise nothing themselves:
-    every check on user input is in flash_ext/_validation.py."""
+    """attn_fwd, attn_bwd, the FlashAttention-compatible functions, scaled_dot_product_attention
+    and the padding helpers raise nothing themselves: every check on user input is in
+    flash_ext/_validation.py."""
     import ast
     import inspect
-    from flash_ext import interface
-    for module in (flash_ext, interface):
+    from flash_ext import bert_padding, interface, padding, sdpa
+    for module in (flash_ext, interface, sdpa, padding, bert_padding):
         raises = [n.lineno for n in ast.walk(ast.parse(inspect.getsource(module)))
                   if isinstance(n, ast.Raise)]
         assert raises == [], f"{module.__name__} raises at lines {raises}"
@@ -540,3 +545,134 @@ def test_bwd_dropout_needs_rng_state(seed):
         V.check_bwd_inputs(q, q, k, v, q, lse, dropout_p=0.1, require_cuda=False)
     assert V.check_bwd_inputs(q, q, k, v, q, lse, dropout_p=0.1,
                               rng_state=torch.tensor([1, 2]), require_cuda=False) is False
+
+
+# ---------------------------------------------------------------------------------------------
+# window_size and softcap as FlashAttention's callers pass them, through every entry point
+# ---------------------------------------------------------------------------------------------
+
+
+class ScalarRecorder:
+    """CPU kernels for flash_ext::fwd and bwd that record (window_left, window_right, softcap)
+    and return zeros."""
+
+    def __init__(self):
+        self.seen = []
+        self.lib = torch.library.Library("flash_ext", "IMPL")
+        self.lib.impl("fwd", self.fwd, "CPU")
+        self.lib.impl("bwd", self.bwd, "CPU")
+
+    def fwd(self, q, k, v, cq, ck, mq, mk, scale, causal, wl, wr, softcap, dropout_p=0.0,
+            rng_state=None, deterministic=False):
+        self.seen.append((wl, wr, softcap))
+        lse_shape = (q.shape[1], q.shape[0]) if cq is not None else (q.shape[0], q.shape[2],
+                                                                       q.shape[1])
+        return torch.zeros(q.shape, dtype=q.dtype), torch.zeros(lse_shape)
+
+    def bwd(self, dout, q, k, v, out, lse, cq, ck, mq, mk, scale, causal, wl, wr, softcap,
+            deterministic, dropout_p=0.0, rng_state=None):
+        self.seen.append((wl, wr, softcap))
+        return tuple(torch.zeros(x.shape, dtype=q.dtype) for x in (q, k, v))
+
+
+@pytest.fixture
+def recorder(meta_ok):
+    r = ScalarRecorder()
+    yield r
+    r.lib._destroy()
+
+
+def _entry_points():
+    """name -> call(window_size, softcap) for every public entry point taking window_size."""
+    b, s, h, d = 2, 8, 2, 64
+    q, k = t(b, s, h, d), t(b, s, h, d)
+    kv, qkv = t(b, s, 2, h, d), t(b, s, 3, h, d)
+    qv, kvv, qkvv = t(b * s, h, d), t(b * s, 2, h, d), t(b * s, 3, h, d)
+    c = cu([s] * b)
+    lse = torch.zeros(b, h, s)
+    return {
+        "attn_fwd": lambda ws, sc: flash_ext.attn_fwd(q, k, k, window_size=ws, softcap=sc),
+        "attn_bwd": lambda ws, sc: flash_ext.attn_bwd(q, q, k, k, q, lse, window_size=ws,
+                                                      softcap=sc),
+        "flash_attn_func": lambda ws, sc: flash_ext.flash_attn_func(q, k, k, window_size=ws,
+                                                                    softcap=sc),
+        "kvpacked": lambda ws, sc: flash_ext.flash_attn_kvpacked_func(q, kv, window_size=ws,
+                                                                      softcap=sc),
+        "qkvpacked": lambda ws, sc: flash_ext.flash_attn_qkvpacked_func(qkv, window_size=ws,
+                                                                        softcap=sc),
+        "varlen": lambda ws, sc: flash_ext.flash_attn_varlen_func(
+            qv, qv, qv, c, c, s, s, window_size=ws, softcap=sc),
+        "varlen_kvpacked": lambda ws, sc: flash_ext.flash_attn_varlen_kvpacked_func(
+            qv, kvv, c, c, s, s, window_size=ws, softcap=sc),
+        "varlen_qkvpacked": lambda ws, sc: flash_ext.flash_attn_varlen_qkvpacked_func(
+            qkvv, c, s, window_size=ws, softcap=sc),
+    }
+
+
+def _window_forms(left, right):
+    import numpy as np
+    return {
+        "tuple": (left, right),
+        "list": [left, right],
+        "numpy-scalars": (np.int64(left), np.int32(right)),
+        "numpy-array": np.array([left, right]),
+        "tensor-int64": torch.tensor([left, right]),
+        "tensor-int32": torch.tensor([left, right], dtype=torch.int32),
+        "0d-tensors": (torch.tensor(left), torch.tensor(right)),
+    }
+
+
+@pytest.mark.parametrize("entry", list(_entry_points()))
+def test_window_forms_and_softcap_reach_the_op(recorder, entry):
+    call = _entry_points()[entry]
+    for form, ws in _window_forms(5, -1).items():
+        recorder.seen.clear()
+        call(ws, 0.0)
+        assert recorder.seen == [(5, -1, 0.0)], (entry, form)
+    for softcap, want in ((-2.5, 0.0), (0, 0.0), (7, 7.0)):
+        recorder.seen.clear()
+        call(torch.tensor([-1, 3]), softcap)
+        assert recorder.seen == [(-1, 3, want)], (entry, softcap)
+
+
+@pytest.mark.parametrize("entry", list(_entry_points()))
+@pytest.mark.parametrize("ws,exc,match", [
+    (torch.tensor([-2, 0]), ValueError, "window_size left must be >= -1"),
+    (torch.tensor([0.5, 1.0]), TypeError, "window_size must hold integers"),
+    (torch.tensor([True, False]), TypeError, "window_size must hold integers"),
+    (torch.tensor([[1, 2]]), ValueError, "window_size must be a pair"),
+    ("ab", ValueError, "window_size must be a pair"),
+    ((1, None), TypeError, "window_size right must be an int; got NoneType"),
+])
+def test_bad_window_forms_every_entry_point(recorder, entry, ws, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        _entry_points()[entry](ws, 0.0)
+    assert isinstance(info.value, flash_ext.FlashExtError)
+    assert recorder.seen == []  # nothing launched
+
+
+def test_window_tensor_values_on_the_device_read_once():
+    """check_window_size leaves a device tensor's values to window_pair (one read, not two)."""
+    on_meta = torch.empty(2, dtype=torch.int64, device="meta")
+    V.check_window_size(on_meta)  # metadata only: would fail if it read the values
+    with pytest.raises(TypeError, match="must hold integers"):
+        V.check_window_size(torch.empty(2, device="meta"))
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        V.window_pair(on_meta)  # reads the values (a meta tensor has none)
+
+
+def test_window_pair_fast_path_returns_the_tuple():
+    ws = (128, 0)
+    assert V.window_pair(ws) is ws
+
+
+@requires_cuda
+def test_window_size_cuda_tensor():
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
+    want, _ = flash_ext.attn_fwd(q, q, q, window_size=(7, 3))
+    got, _ = flash_ext.attn_fwd(q, q, q, window_size=torch.tensor([7, 3], device="cuda"))
+    assert torch.equal(got, want)
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(flash_ext.FlashExtValueError, match="window_size right must be >= -1"):
+        flash_ext.attn_fwd(q, q, q, window_size=torch.tensor([7, -3], device="cuda"), out=out)
+    assert out.isnan().all()  # nothing written

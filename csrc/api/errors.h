@@ -47,4 +47,7 @@ std::string error_message(const Args&... args) {
 
 }  // namespace flash_ext
 
+// TORCH_CHECK raises c10::Error, a RuntimeError in Python, as FlashAttention's errors are (its
+// callers catch RuntimeError); TORCH_CHECK_VALUE / _TYPE would raise ValueError / TypeError
+// (tests/test_errors.py keeps them out of csrc/).
 #define FLASH_EXT_CHECK(cond, ...) TORCH_CHECK(cond, ::flash_ext::error_message(__VA_ARGS__).c_str())
