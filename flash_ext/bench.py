@@ -455,12 +455,11 @@ def load_peer(name: str) -> Callable:
 
 
 def _peer_version(peer: Peer) -> str:
-    mod = sys.modules.get(peer.module)
-    top = sys.modules.get(peer.module.split(".")[0])
-    for m in (mod, top):
-        v = getattr(m, "__version__", None)
-        if isinstance(v, str):
-            return v
+    """The module's own __version__, else every installed distribution of its top-level package
+    (flash_attn.cute shares flash_attn with FlashAttention-2: both are named then)."""
+    v = getattr(sys.modules.get(peer.module), "__version__", None)
+    if isinstance(v, str):
+        return v
     try:
         from importlib import metadata
         dists = metadata.packages_distributions().get(peer.module.split(".")[0], [])
