@@ -1,4 +1,5 @@
-"""The benchmark's metric and formatting code (CPU only; the timing itself needs a GPU)."""
+"""The benchmark: metrics, table, progress, peers, plot and host-time code on the CPU (stand-in
+backends and timings); one end-to-end run on a GPU."""
 
 import contextlib
 import json
@@ -7,6 +8,7 @@ import types
 
 import pytest
 
+from conftest import requires_cuda
 from flash_ext import bench
 
 
@@ -543,9 +545,7 @@ def test_format_host_time():
 # ---------------------------------------------------------------- GPU
 
 
-@pytest.mark.skipif(not (__import__("torch").cuda.is_available()
-                         and __import__("conftest").EXTENSION_BUILT),
-                    reason="needs a CUDA GPU and the compiled extension")
+@requires_cuda
 def test_bench_end_to_end_gpu(tmp_path, capsys):
     # one small config per direction with every peer that imports, the host times and the plot
     plot = tmp_path / "r.png"
