@@ -800,8 +800,8 @@ def measure_host_time(backends: Sequence[str], device="cuda") -> tuple[dict, dic
 
 def format_host_time(times: dict, errors: dict) -> str:
     b, s, h, d = HOST_SHAPE
-    out = [f"host time per call (CPU us): flash_ext fwd+bwd step vs SDPA flash "
-           f"(b={b} s={s} h={h} d={d} causal bf16: forward + torch.autograd.grad, median of 5 x 200 calls)"]
+    out = ["host time per call (CPU us): flash_ext fwd+bwd step vs SDPA flash",
+           f"  (b={b} s={s} h={h} d={d} causal bf16: forward + torch.autograd.grad; median of 5 x 200 calls)"]
     ext = times.get("flash_ext")
     for name in [*times, *(n for n in errors if n not in times)]:
         label = COLUMN_LABELS.get(name, name)

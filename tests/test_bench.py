@@ -536,10 +536,11 @@ def test_format_host_time():
     text = bench.format_host_time({"flash_ext": 150.0, "sdpa_flash": 200.0, "fa2": 100.0},
                                   {"fa4": "RuntimeError: no"})
     lines = text.splitlines()
-    assert "b=1 s=128 h=2 d=128 causal bf16" in lines[0]
-    assert lines[1].split() == ["flash_ext", "150.0", "us"]
-    assert lines[2].split()[:3] == ["sdpa_flash", "200.0", "us"] and lines[2].endswith("0.75")
-    assert lines[3].endswith("fa2: 1.50") and lines[4] == "  fa4          n/a (RuntimeError: no)"
+    assert lines[0] == "host time per call (CPU us): flash_ext fwd+bwd step vs SDPA flash"
+    assert "b=1 s=128 h=2 d=128 causal bf16" in lines[1]
+    assert lines[2].split() == ["flash_ext", "150.0", "us"]
+    assert lines[3].split()[:3] == ["sdpa_flash", "200.0", "us"] and lines[3].endswith("0.75")
+    assert lines[4].endswith("fa2: 1.50") and lines[5] == "  fa4          n/a (RuntimeError: no)"
 
 
 # ---------------------------------------------------------------- GPU
