@@ -150,6 +150,12 @@ setup(
     packages=["flash_ext"],
     python_requires=">=3.9",
     install_requires=[],  # torch is required but must be installed beforehand (see README)
+    extras_require={
+        # README's test command: pytest; numpy (window_size given as numpy scalars); transformers
+        # (the Hugging Face integration's tests, which build small models from a config)
+        "test": ["pytest", "numpy", "transformers"],
+        "bench": ["matplotlib"],  # python -m flash_ext.bench's PNG
+    },
     ext_modules=[make_extension()],
     cmdclass={"build_ext": FlashExtBuild.with_options(use_ninja=True)},
     zip_safe=False,
