@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "build_support"))
@@ -147,7 +147,7 @@ setup(
     description="Fast exact attention (FlashAttention-2 style CUDA/CuTe kernels) for PyTorch",
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").is_file() else "",
     long_description_content_type="text/markdown",
-    packages=["flash_ext"],
+    packages=find_packages(include=["flash_ext", "flash_ext.*"]),
     python_requires=">=3.9",
     install_requires=[],  # torch is required but must be installed beforehand (see README)
     extras_require={
