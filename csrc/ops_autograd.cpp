@@ -5,8 +5,9 @@
 // torch.compile's AOTAutograd, which runs this formula on traced tensors, records both ops.
 //
 // What the formula keeps (tests/test_autograd*.py, tests/test_training_gpu.py):
-// - lse is non-differentiable, and a gradient autograd does not have stays undefined (no zero
-//   tensors filled per backward); a missing gradient of out becomes zeros only when bwd runs;
+// - lse is non-differentiable (returned detached), and a gradient autograd does not have stays
+//   undefined (no zero tensors filled per backward); a missing gradient of out becomes zeros only
+//   when bwd runs;
 // - a call with nothing to compute (no query row or no key) gets zero gradients, no launch;
 // - bwd gets the forward's deterministic, dropout_p and rng_state;
 // - one gradient slot per op argument (15): q, k, v get theirs, the others none;
@@ -88,7 +89,6 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
                                          softmax_scale, causal, window_left, window_right, softcap, dropout_p,
                                          rng_state, deterministic);
     }
-    ctx->mark_non_differentiable({lse});
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q.value_or(at::Tensor()),
                             cu_seqlens_k.value_or(at::Tensor()), rng_state.value_or(at::Tensor())});
@@ -149,7 +149,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(c10::DispatchKeySet ks, const at
   const variable_list r =
       FwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                          window_left, window_right, softcap, dropout_p, rng_state, deterministic);
-  return {r[0], r[1]};
+  // lse leaves detached: no gradient flows through it. (Not mark_non_differentiable: compiled
+  // autograd refuses C++ nodes that have non-differentiable outputs.)
+  return {r[0], r[1].detach()};
 }
 
 }  // namespace

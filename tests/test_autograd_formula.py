@@ -131,3 +131,15 @@ def test_only_inputs_that_require_grad_get_one():
 @pytest.mark.skipif(EXTENSION_BUILT, reason="the stand-in's Python formula only exists without the build")
 def test_stand_in_registers_python_formula():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("flash_ext::fwd", "Autograd")
+
+
+def test_compiled_autograd_runs_the_formula():
+    """torch.compile's compiled autograd takes fwd's node (a C++ node with a non-differentiable
+    output would fail its internal assert: lse is returned detached instead)."""
+    from torch._dynamo import compiled_autograd
+    q = meta(2, 64, 4, 64, requires_grad=True)
+    out, lse = fwd(q, q, q)
+    assert not lse.requires_grad
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        out.float().sum().backward()
+    assert q.grad.shape == q.shape
