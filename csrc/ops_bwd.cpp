@@ -56,43 +56,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const KernelChoice kernel = choose_bwd_kernel(p, dev, overrides);
   const bool sm90 = kernel.path == KernelPath::kSm90;
 
-  // D = rowsum(dO * O), laid out like lse (contiguous). The Hopper kernel reads D and lse * log2(e)
-  // from (batch, heads_q, seqlen_q rounded up) buffers that its preprocess kernel fills.
-  at::Tensor dsum, lse_log2;
+  // The fp32 work buffers in one allocation (one call of the caching allocator, not three),
+  // each part starting on a 256-byte boundary: D = rowsum(dO * O) and, for the Hopper kernel,
+  // lse * log2(e) (both (batch, heads_q, seqlen_q rounded up), filled by its preprocess kernel;
+  // the sm80 kernels' D is laid out like lse), then the dQ accumulator.
+  // Hopper: the accumulator's tiles (BwdParams::dq, sm90/bwd_kernel.cuh) are zeroed by its
+  // preprocess kernel, and its convert kernel writes dq (laid out like q) directly.
+  // sm80: the accumulator is shaped like q (contiguous) and zeroed here (cudaMemsetAsync: no fill
+  // kernel's host cost). Deterministic: one slice per key block of the main kernel, summed below
+  // in a fixed order.
+  constexpr int64_t kPartAlign = 64;  // floats
+  auto part = [](int64_t n) { return (n + kPartAlign - 1) / kPartAlign * kPartAlign; };
+  std::vector<int64_t> dqa_shape;
+  int64_t rows = lse.numel();  // of D (and lse * log2(e))
   if (sm90) {
     p.seqlen_q_padded = int((s.seqlen_q + kBwdSm90PadRows - 1) / kBwdSm90PadRows * kBwdSm90PadRows);
-    dsum = at::empty({s.batch, s.heads_q, p.seqlen_q_padded}, f32);
-    lse_log2 = at::empty({s.batch, s.heads_q, p.seqlen_q_padded}, f32);
-    p.lse_log2 = lse_log2.data_ptr<float>();
+    rows = s.batch * s.heads_q * p.seqlen_q_padded;
+    dqa_shape = {s.batch, s.heads_q, p.seqlen_q_padded, int64_t(kernel.kernel_head_dim)};
   } else {
-    dsum = at::empty_like(lse);
+    dqa_shape.assign(q.sizes().begin(), q.sizes().end());
+    if (deterministic) {
+      const BwdTile tile = choose_bwd_sm80_tile(kd, dev, overrides);
+      dqa_shape.insert(dqa_shape.begin(), std::max<int64_t>(1, (s.seqlen_k + tile.block_n - 1) / tile.block_n));
+    }
   }
-  p.dsum = dsum.data_ptr<float>();
+  int64_t dqa_numel = 1;
+  for (const int64_t n : dqa_shape) dqa_numel *= n;
+  const int64_t dsum_at = part(dqa_numel), lse_log2_at = dsum_at + part(rows);
+  const at::Tensor work = at::empty({lse_log2_at + (sm90 ? rows : 0)}, f32);
+  float* const work_ptr = work.data_ptr<float>();
+  p.dq_accum = work_ptr;
+  p.dsum = work_ptr + dsum_at;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
 
-  at::Tensor dq_accum, dq_sm90;
+  at::Tensor dq_sm90, dq_accum;
   if (sm90) {
-    // Tiles of the Hopper kernel (BwdParams::dq, sm90/bwd_kernel.cuh), zeroed by its preprocess
-    // kernel; its convert kernel writes dq (laid out like q) directly.
-    dq_accum = at::empty({s.batch, s.heads_q, p.seqlen_q_padded, int64_t(kernel.kernel_head_dim)}, f32);
+    p.lse_log2 = work_ptr + lse_log2_at;
     dq_sm90 = at::empty(q.sizes(), q.options());
-    p.dq_accum = dq_accum.data_ptr<float>();
     p.dq = dq_sm90.data_ptr();
     p.dq_batch_stride = dq_sm90.stride(0);
     p.dq_row_stride = dq_sm90.stride(r);
     p.dq_head_stride = dq_sm90.stride(r + 1);
   } else {
-    // fp32 dQ accumulator shaped like q (contiguous), zeroed here. Deterministic: one slice per
-    // key block of the main kernel, summed below in a fixed order.
-    int64_t n_splits = 1;
-    if (deterministic) {
-      const BwdTile tile = choose_bwd_sm80_tile(kd, dev, overrides);
-      n_splits = std::max<int64_t>(1, (s.seqlen_k + tile.block_n - 1) / tile.block_n);
-    }
-    std::vector<int64_t> dqa_shape(q.sizes().begin(), q.sizes().end());
-    if (deterministic) dqa_shape.insert(dqa_shape.begin(), n_splits);
-    dq_accum = at::zeros(dqa_shape, f32);
+    dq_accum = work.narrow(0, 0, dqa_numel).view(dqa_shape);
+    if (dqa_numel > 0) C10_CUDA_CHECK(cudaMemsetAsync(work_ptr, 0, size_t(dqa_numel) * sizeof(float), stream));
     const int o = deterministic ? 1 : 0;  // dims of dq_accum are offset by the split dim
-    p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_split_stride = deterministic ? dq_accum.stride(0) : 0;
     p.dqa_batch_stride = varlen ? 0 : dq_accum.stride(o);
     p.dqa_row_stride = dq_accum.stride(o + r);
@@ -104,9 +112,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const bool expand = s.heads_q != s.heads_kv;
   std::vector<int64_t> kv_shape(k.sizes().begin(), k.sizes().end());
   if (expand) kv_shape[kv_shape.size() - 2] = s.heads_q;
-  // Varlen: tokens outside every sequence (none when cu_seqlens_k[-1] == total_k) are not written.
-  at::Tensor dk_buf = varlen ? at::zeros(kv_shape, q.options()) : at::empty(kv_shape, q.options());
-  at::Tensor dv_buf = varlen ? at::zeros(kv_shape, q.options()) : at::empty(kv_shape, q.options());
+  at::Tensor dk_buf = at::empty(kv_shape, q.options());
+  at::Tensor dv_buf = at::empty(kv_shape, q.options());
+  if (varlen) {
+    // Tokens outside every sequence (none when cu_seqlens_k[-1] == total_k) are not written.
+    const size_t bytes = size_t(dk_buf.numel()) * dk_buf.element_size();
+    if (bytes > 0) {
+      C10_CUDA_CHECK(cudaMemsetAsync(dk_buf.data_ptr(), 0, bytes, stream));
+      C10_CUDA_CHECK(cudaMemsetAsync(dv_buf.data_ptr(), 0, bytes, stream));
+    }
+  }
   p.dk = dk_buf.data_ptr();
   p.dv = dv_buf.data_ptr();
   p.dk_batch_stride = varlen ? 0 : dk_buf.stride(0);
@@ -118,7 +133,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 
   const bool launched = p.batch > 0 && q.numel() > 0 && k.numel() > 0;
   if (launched) {
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     run_bwd(kernel, p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else if (!varlen) {

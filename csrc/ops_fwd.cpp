@@ -55,7 +55,7 @@ void launch(FwdParams& p, const at::Tensor& q) {
   if (kernel.path == KernelPath::kSm90) {
     config = choose_sm90_fwd_config(p, kernel.kernel_head_dim, dev, overrides);
     write_sm90_fwd_schedule(config, p);
-    buffers = allocate_sm90_fwd_buffers(config, p, q.options(), stream);
+    buffers = allocate_sm90_fwd_buffers(config, p, q.options(), q.get_device(), stream);
   }
   run_fwd(kernel, p, config, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -29,14 +29,17 @@ This module adds, in Python:
 
 - fake kernels for fwd, fwd_out, bwd and the dropout ops (what torch.compile needs: shapes,
   dtypes and strides of the outputs, without running anything);
-- the autograd formula of ``fwd``: save q, k, v, out, lse (and rng_state); the backward calls
-  ``bwd`` with the same deterministic, dropout_p and rng_state. ``lse`` is marked
-  non-differentiable (like FlashAttention, no gradient flows through it); gradients with respect
-  to softmax_scale and softcap are not computed (they are plain floats). ``fwd_out`` is not
-  differentiable (flash_ext.attn_fwd rejects out= with inputs that require grad, with a clear
-  error);
 - :func:`_no_attention`: the result of a call with no query row or no key (out 0, lse -inf,
   zero gradients), made without a launch and still differentiable.
+
+The autograd formula of ``fwd`` is its Autograd-key kernel in C++ (csrc/ops_autograd.cpp), so
+that a training step's backward runs no Python: it saves q, k, v, out, lse (and rng_state); the
+backward calls ``bwd`` with the same deterministic, dropout_p and rng_state. ``lse`` is
+non-differentiable (like FlashAttention, no gradient flows through it); gradients with respect
+to softmax_scale and softcap are not computed (they are plain floats). ``fwd_out`` is not
+differentiable (flash_ext.attn_fwd rejects out= with inputs that require grad, with a clear
+error). Without the build, the CPU tests' stand-in ops register the same formula in Python
+(tests/stand_in_ops.py).
 
 The ops take inputs already prepared by flash_ext.attn_fwd / attn_bwd (head dim a multiple of
 8, strides multiples of 8); call those, not these, unless you know the contract
@@ -69,13 +72,18 @@ _ALIGN = 8
 
 
 def _is_aligned(t: torch.Tensor) -> bool:
-    if t.stride(-1) != 1:
+    # On every call's path (three or five times per call): a plain loop, no generator.
+    strides = t.stride()
+    if strides[-1] != 1:
         return False
     # Dynamo cannot trace storage_offset(); under torch.compile the C++ op's own check of the
     # data pointer's alignment is the safety net for (rare) odd offsets.
     if not torch.compiler.is_compiling() and t.storage_offset() % _ALIGN != 0:
         return False
-    return all(s % _ALIGN == 0 for s in t.stride()[:-1])
+    for s in strides[:-1]:
+        if s % _ALIGN != 0:
+            return False
+    return True
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -141,46 +149,6 @@ def _dropout_mask_fake(q, rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p
 
 
 # ----------------------------------------------------------------------------------------------
-# Autograd of fwd
-# ----------------------------------------------------------------------------------------------
-
-
-def _fwd_setup_context(ctx, inputs, output):
-    # fwd's 15 arguments, defaults filled in by torch.library.
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-     window_left, window_right, softcap, dropout_p, rng_state, deterministic) = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    # lse gets no gradient: without this autograd would fill a zero tensor for it (and for an
-    # out that does not reach the loss) on every backward; _fwd_backward handles None.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state)
-    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                softcap, bool(deterministic), float(dropout_p))
-
-
-def _fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
-    (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-     deterministic, dropout_p) = ctx.args
-    if grad_out is None:  # out does not reach the loss
-        grad_out = torch.zeros_like(out)
-    if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
-        # A direct call of the op with nothing to compute (attn_fwd never makes one).
-        grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    else:
-        grads = _bwd(_aligned(grad_out), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                     window_right, softcap, deterministic, dropout_p, rng_state)
-    # One gradient slot per op argument (15); the non-tensor ones, cu_seqlens and rng_state
-    # get None.
-    return tuple(grads) + (None,) * 12
-
-
-torch.library.register_autograd("flash_ext::fwd", _fwd_backward, setup_context=_fwd_setup_context)
-
-
-# ----------------------------------------------------------------------------------------------
 # Calls with nothing to compute
 # ----------------------------------------------------------------------------------------------
 
@@ -208,32 +176,22 @@ def _no_attention(q, k, v, cu_seqlens_q, out=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-         softmax_scale: float, causal: bool, window_left: int, window_right: int,
-         softcap: float, dropout_p: float = 0.0, rng_state=None, deterministic: bool = False):
-    """torch.ops.flash_ext.fwd (differentiable): returns (out, lse)."""
-    return torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   softmax_scale, causal, window_left, window_right, softcap,
-                                   dropout_p, rng_state, deterministic)
+# The ops' overloads themselves, not Python functions that forward to them: one Python frame
+# less on every call's path (each costs about a microsecond of host time).
 
+_fwd = torch.ops.flash_ext.fwd.default
+"""torch.ops.flash_ext.fwd (differentiable): (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
+rng_state=None, deterministic=False) -> (out, lse)."""
 
-def _fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-             softmax_scale: float, causal: bool, window_left: int, window_right: int,
-             softcap: float, dropout_p: float = 0.0, rng_state=None):
-    """torch.ops.flash_ext.fwd_out: writes out, returns lse."""
-    return torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                       max_seqlen_k, softmax_scale, causal, window_left,
-                                       window_right, softcap, dropout_p, rng_state)
+_fwd_out = torch.ops.flash_ext.fwd_out.default
+"""torch.ops.flash_ext.fwd_out: as _fwd with out after v (written) and without deterministic;
+returns lse."""
 
-
-def _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-         max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-         window_right: int, softcap: float, deterministic: bool, dropout_p: float = 0.0,
-         rng_state=None):
-    """torch.ops.flash_ext.bwd: returns (dq, dk, dv), new contiguous tensors."""
-    return torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                   max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                                   window_right, softcap, deterministic, dropout_p, rng_state)
+_bwd = torch.ops.flash_ext.bwd.default
+"""torch.ops.flash_ext.bwd: (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+dropout_p=0.0, rng_state=None) -> (dq, dk, dv), new contiguous tensors."""
 
 
 def _dropout_rng_state(q) -> torch.Tensor:

@@ -4,9 +4,10 @@ where flash_ext._C is not built.
 Importing flash_ext needs the ``flash_ext::*`` ops that ``flash_ext._C`` registers in C++
 (csrc/ops_*.cpp). Without a build, tests/conftest.py calls
 :func:`install` before any test imports flash_ext: it defines the same schemas under the same
-namespace, with no kernel behind them (flash_ext/ops.py adds the fake kernels and the autograd
-formula as it does for the real ops), and puts an empty module in ``sys.modules`` as
-``flash_ext._C``. The CPU tests (fake and meta tensors, torch.compile tracing, the wiring of the
+namespace, with no kernel behind them (flash_ext/ops.py adds the fake kernels as it does for the
+real ops), registers fwd's autograd formula (in the build a C++ kernel, csrc/ops_autograd.cpp;
+here the same formula in Python, :func:`_fwd_setup_context` and :func:`_fwd_backward`), and puts
+an empty module in ``sys.modules`` as ``flash_ext._C``. The CPU tests (fake and meta tensors, torch.compile tracing, the wiring of the
 Python layer) then run against these schemas; whatever needs the kernels is skipped
 (conftest's ``requires_ext`` and ``requires_cuda``). With a build, none of this is used.
 
@@ -45,9 +46,59 @@ SCHEMAS = (
 
 _lib = None
 
+# ----------------------------------------------------------------------------------------------
+# fwd's autograd formula: csrc/ops_autograd.cpp in Python, rule for rule
+# ----------------------------------------------------------------------------------------------
 
-def install() -> None:
-    """Define the schemas under ``flash_ext`` and stand an empty module in for flash_ext._C."""
+_ALIGN = 8  # elements: the ops read rows of 16 bytes
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    if t.stride(-1) != 1:
+        return False
+    if not torch.compiler.is_compiling() and t.storage_offset() % _ALIGN != 0:
+        return False
+    return all(s % _ALIGN == 0 for s in t.stride()[:-1])
+
+
+def _nothing_to_do(q, k, varlen: bool, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+    if varlen:
+        return q.shape[0] == 0 or max_seqlen_q == 0 or k.shape[0] == 0 or max_seqlen_k == 0
+    return q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+     window_left, window_right, softcap, dropout_p, rng_state, deterministic) = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state)
+    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                softcap, bool(deterministic), float(dropout_p))
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+     deterministic, dropout_p) = ctx.args
+    if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 12
+    if grad_out is None:  # out does not reach the loss
+        grad_out = torch.zeros_like(out, memory_format=torch.contiguous_format)
+    elif not _rows_aligned(grad_out):
+        grad_out = grad_out.clone(memory_format=torch.contiguous_format)
+    grads = torch.ops.flash_ext.bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                    window_left, window_right, softcap, deterministic, dropout_p,
+                                    rng_state)
+    return tuple(grads) + (None,) * 12  # one slot per argument of fwd (15)
+
+
+def install(autograd: bool = True) -> None:
+    """Define the schemas under ``flash_ext``, register fwd's autograd formula (unless
+    ``autograd`` is False: for a run that loads csrc/ops_autograd.cpp built on its own) and
+    stand an empty module in for flash_ext._C."""
     global _lib
     if _lib is not None:
         return
@@ -55,6 +106,9 @@ def install() -> None:
     for schema, tags in SCHEMAS:
         _lib.define(schema, tags=tags)
     _lib.impl("build_info", lambda: BUILD_INFO, "CompositeExplicitAutograd")
+    if autograd:
+        torch.library.register_autograd("flash_ext::fwd", _fwd_backward,
+                                        setup_context=_fwd_setup_context, lib=_lib)
     stub = types.ModuleType("flash_ext._C", "Stand-in for the compiled extension "
                             "(tests/stand_in_ops.py): the op schemas only, no kernels.")
     sys.modules["flash_ext._C"] = stub

@@ -4,18 +4,76 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <mutex>
+#include <unordered_map>
+
+#include "api/errors.h"
+
 namespace flash_ext {
+namespace {
+
+// The eager calls' tile counters: per device a slab of kSlots zeroed ints (cudaMalloc: held for
+// the life of the process, outside PyTorch's allocator and its statistics), one slot per stream
+// that has needed one. Past kSlots streams on a device, calls fall back to a counter per call.
+constexpr int kMaxDevices = 64;
+constexpr int kSlots = 1024;
+
+struct StreamCounters {
+  std::mutex mutex;
+  int* slab[kMaxDevices] = {};
+  int used[kMaxDevices] = {};
+  std::unordered_map<cudaStream_t, int*> of_stream[kMaxDevices];
+};
+
+// The counter of (device, stream), zeroed on that stream when first handed out; nullptr when the
+// device's slab is full.
+int* stream_tile_counter(int device, cudaStream_t stream) {
+  // Most calls ask for the counter they asked for last: no lock then.
+  thread_local int last_device = -1;
+  thread_local cudaStream_t last_stream = nullptr;
+  thread_local int* last_counter = nullptr;
+  if (last_counter != nullptr && device == last_device && stream == last_stream) return last_counter;
+
+  FLASH_EXT_CHECK(device >= 0 && device < kMaxDevices, "flash_ext: device index ", device, " out of range");
+  static StreamCounters counters;
+  const std::lock_guard<std::mutex> lock(counters.mutex);
+  auto& of_stream = counters.of_stream[device];
+  int* counter = nullptr;
+  if (const auto it = of_stream.find(stream); it != of_stream.end()) {
+    counter = it->second;
+  } else {
+    int*& slab = counters.slab[device];
+    if (slab == nullptr) C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&slab), kSlots * sizeof(int)));
+    if (counters.used[device] == kSlots) return nullptr;
+    counter = slab + counters.used[device]++;
+    C10_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(int), stream));
+    of_stream.emplace(stream, counter);
+  }
+  last_device = device, last_stream = stream, last_counter = counter;
+  return counter;
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
 
 Sm90FwdBuffers allocate_sm90_fwd_buffers(const Sm90FwdConfig& c, FwdParams& p, const at::TensorOptions& options,
-                                         cudaStream_t stream) {
+                                         int device, cudaStream_t stream) {
   Sm90FwdBuffers b;
   p.tile_counter = nullptr;
   p.sm90_sk_count = nullptr;
   p.sm90_sk_partial = nullptr;
   if (c.tile_counter) {
-    b.tile_counter = at::empty({1}, options.dtype(at::kInt));
-    p.tile_counter = b.tile_counter.data_ptr<int>();
-    C10_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream));
+    p.tile_counter = capturing(stream) ? nullptr : stream_tile_counter(device, stream);
+    if (p.tile_counter == nullptr) {
+      b.tile_counter = at::empty({1}, options.dtype(at::kInt));
+      p.tile_counter = b.tile_counter.data_ptr<int>();
+      C10_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream));
+    }
   }
   if (c.stream_k) {
     b.workspace = at::empty({int64_t(c.sk_count_bytes + c.sk_partial_bytes)}, options.dtype(at::kByte));

@@ -9,7 +9,8 @@
 // mask (equal tiles), and one CTA per tile (the hardware balances uneven tiles).
 // Dynamic (persistent grid under a causal/local mask, p.tile_counter set): a CTA's first tile is
 // blockIdx.x; then its producer thread claims gridDim.x + atomicAdd(tile_counter, 1) (the counter
-// starts at 0, so every tile is taken exactly once and each CTA's last claim is >= num_tiles)
+// starts at 0, so every tile is taken exactly once and each CTA's last claim is >= num_tiles; the
+// last claim of all resets it to 0)
 // and passes each tile, and the final out-of-range index, to the consumers through a 2-slot ring
 // in shared memory. A static round-robin over uneven causal tiles lost 30-40%
 // (docs/perf-notes.md): claiming balances them as the hardware does for one CTA per tile.
@@ -117,7 +118,12 @@ struct TileScheduler {
   template <typename Ring>
   __device__ __forceinline__ int producer_next(Ring& ring, int t) const {
     if (!dynamic) return t + int(gridDim.x);
-    t = __reduce_max_sync(1u, int(gridDim.x) + atomicAdd(p.tile_counter, 1));
+    const int claimed = atomicAdd(p.tile_counter, 1);
+    // Each CTA claims until it draws an index >= num_tiles, so a launch makes num_tiles claims in
+    // all: the one that drew num_tiles - 1 is the last, and sets the counter back to 0 for the
+    // next launch (the host keeps one counter per stream and zeroes it only once: api/workspace.h).
+    if (claimed == num_tiles - 1) atomicExch(p.tile_counter, 0);
+    t = __reduce_max_sync(1u, int(gridDim.x) + claimed);
     ring.push(t);
     return t;
   }

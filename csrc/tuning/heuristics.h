@@ -54,8 +54,9 @@ struct Sm90FwdConfig {
   int row_shift = 0;
   bool stream_k = false;
   int dp_tiles = 0, work_end = 0;
-  // Device buffers per call: a zeroed int32 tile counter (dynamic scheduling under a mask), and
-  // the stream-K workspace: arrival counters (sk_count_bytes, zeroed), then partial states.
+  // Device buffers (api/workspace.h): a zeroed int32 tile counter (dynamic scheduling under a
+  // mask; one per stream, which the kernel leaves at 0), and the stream-K workspace per call:
+  // arrival counters (sk_count_bytes, zeroed), then partial states.
   bool tile_counter = false;
   size_t sk_count_bytes = 0, sk_partial_bytes = 0;
 };
