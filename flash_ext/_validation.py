@@ -29,6 +29,8 @@ longer than ``max_seqlen``). They read the values back with one small device op 
 ``.tolist()``, and only when that is safe and cheap enough:
 
 - always when ``cu_seqlens`` is on the CPU (no GPU sync needed);
+- once per tensor (its values and in-place version), so a model that hands one cu_seqlens to
+  each of its layers syncs once per forward, not once per layer;
 - for CUDA tensors only in eager mode: they are skipped while ``torch.compile`` traces
   (``torch.compiler.is_compiling()``), while a CUDA graph is being captured, and when the
   environment variable ``FLASH_EXT_CHECK_CU_SEQLENS=0`` is set (or
@@ -40,6 +42,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -503,9 +506,38 @@ def _check_attention_inputs(q, k, v, softmax_scale, window_size, softcap, cu_seq
     if varlen:
         for name, cu, total, m in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
                                    ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
-            if should_check_values(cu):
+            if should_check_values(cu) and not _checked_before(cu, total, m):
                 check_cu_seqlens_values(cu, total, m, name)
+                _remember_checked(cu, total, m)
     return varlen
+
+
+# cu_seqlens tensors whose values passed the checks, by id: a model passes one cu_seqlens to each
+# of its layers (and as both cu_seqlens_q and cu_seqlens_k), so the host sync of the value check
+# is paid once per tensor, not once per call. An entry holds a weak reference (a new tensor at a
+# reused id is not taken for the old one) and the tensor's version counter (an in-place write
+# invalidates it); it goes when the tensor does.
+_CHECKED: dict = {}
+
+
+def _checked_before(cu: torch.Tensor, total: int, max_seqlen: int) -> bool:
+    entry = _CHECKED.get(id(cu))
+    if entry is None or entry[0]() is not cu:
+        return False
+    try:
+        return entry[1:] == (cu._version, total, max_seqlen)
+    except RuntimeError:  # inference tensors have no version counter
+        return False
+
+
+def _remember_checked(cu: torch.Tensor, total: int, max_seqlen: int) -> None:
+    try:
+        version = cu._version
+        key = id(cu)
+        ref = weakref.ref(cu, lambda _, key=key: _CHECKED.pop(key, None))
+    except (RuntimeError, TypeError):
+        return
+    _CHECKED[key] = (ref, version, total, max_seqlen)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -676,3 +676,24 @@ def test_window_size_cuda_tensor():
     with pytest.raises(flash_ext.FlashExtValueError, match="window_size right must be >= -1"):
         flash_ext.attn_fwd(q, q, q, window_size=torch.tensor([7, -3], device="cuda"), out=out)
     assert out.isnan().all()  # nothing written
+
+
+def test_cu_seqlens_values_checked_once_per_tensor_version():
+    """One host sync per cu_seqlens tensor, not per call: a passed tensor is remembered until it
+    is written in place or freed."""
+    import gc
+    from flash_ext import _validation as v
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    assert not v._checked_before(cu, 5, 3)
+    v._remember_checked(cu, 5, 3)
+    assert v._checked_before(cu, 5, 3)
+    assert not v._checked_before(cu, 5, 4) and not v._checked_before(cu, 6, 3)
+    cu[1] = 9  # in place: the values must be checked again
+    assert not v._checked_before(cu, 5, 3)
+    v._remember_checked(cu, 5, 3)
+    n = len(v._CHECKED)
+    del cu
+    gc.collect()
+    assert len(v._CHECKED) == n - 1
+    other = torch.tensor([0, 3, 5], dtype=torch.int32)  # equal values, another tensor
+    assert not v._checked_before(other, 5, 3)

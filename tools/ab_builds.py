@@ -21,6 +21,7 @@ import sys
 
 DEFAULT_CELLS = ",".join(
     [f"fwd:{d}:{t}:{s}" for d in (64, 256) for t in ("bf16", "fp16") for s in (512, 1024, 4096, 16384)]
+    + [f"fwd:{d}:bf16:{s}:causal" for d in (64, 128, 256) for s in (1024, 4096)]
     + [f"bwd:{d}:bf16:4096:varlen" for d in (64, 256)]
     + [f"bwd:{d}:bf16:4096:causal:dropout" for d in (64, 256)])
 
