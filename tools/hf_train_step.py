@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--impls", default="sdpa,flash_ext",
                    help="comma-separated: sdpa, eager, flash_attention_2, flash_ext")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--profile", action="store_true",
+                   help="also print each implementation's top GPU kernels over 3 steps (torch.profiler)")
     return p.parse_args(argv)
 
 
@@ -78,6 +80,20 @@ def time_steps(model, inputs, args, torch):
     return statistics.median(times)
 
 
+def profile_steps(model, inputs, impl, torch):
+    from torch.profiler import ProfilerActivity, profile
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            model(**inputs, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    print(f"--- {impl}: top GPU kernels over 3 steps")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=18, max_name_column_width=70))
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -109,6 +125,8 @@ def main(argv=None):
         else:
             model.load_state_dict(state)
         results[impl] = time_steps(model, inputs, args, torch)
+        if args.profile:
+            profile_steps(model, inputs, impl, torch)
         del model
         torch.cuda.empty_cache()
     shape = (f"1 x {args.batch * args.seqlen} packed ({args.batch} sequences)" if args.packed

@@ -1,6 +1,7 @@
 // Definition of launch_bwd_main (declared in sm80/bwd_main_launch.h): included by the generated
 // files that instantiate the variants, never by the dispatching launcher.
 #pragma once
+#include "common/kernel_smem.h"
 #include <cuda_runtime.h>
 
 #include "sm80/bwd_kernel.cuh"
@@ -21,7 +22,7 @@ void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
   }();
   constexpr int smem = kPrefetch ? Traits::kSmemBytesV2 : Traits::kSmemBytes;
   if constexpr (smem > 48 * 1024) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   }
   const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);

@@ -1,6 +1,7 @@
 // Launch of the sm80 forward: tile configuration per head dim (see docs/kernels-sm80.md) and
 // the masked / unmasked and dropout / no-dropout kernel variants.
 #pragma once
+#include "common/kernel_smem.h"
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
@@ -16,7 +17,7 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
   auto kernel = &fwd_kernel<Traits, kHasWindow, kDropout>;
   constexpr int smem = Traits::kSmemBytes;
   if constexpr (smem > 48 * 1024) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   }
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);

@@ -1,6 +1,7 @@
 // Host side of the Hopper backward: TMA descriptors for Q, dO, K, V, the tile per head dim
 // (docs/kernels-sm90-bwd.md), the preprocess kernel and the main kernel's launch.
 #pragma once
+#include "common/kernel_smem.h"
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
@@ -40,7 +41,7 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
 
   auto kernel = &bwd_kernel<Traits, kHasWindow>;
   constexpr int smem = Traits::kSmemBytes;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // Key blocks in blockIdx.x order: under a causal mask block 0 has the most query blocks, so
   // the longest CTAs start first.
   const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);

@@ -3,6 +3,7 @@
 // launch of the kernel with the tile and grid of the call's config (chosen on the host by
 // tuning/heuristics.cpp, with its reasons; docs/kernels-sm90.md).
 #pragma once
+#include "common/kernel_smem.h"
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
@@ -57,7 +58,7 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
                             CausalLocalMask<Traits::kBlockM, Traits::kBlockN, kHasWindow>, FwdEpilogue<Traits>,
                             TileScheduler<Traits::kBlockM, Traits::kBlockN, kHasWindow>>;
   constexpr int smem = Traits::kSmemBytes;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // The grid the config chose: one CTA per SM (persistent; at most one per tile), all SMs for a
   // stream-K tail.
   const dim3 grid(unsigned(config.grid));
