@@ -599,5 +599,7 @@ def test_packed_layout():
     assert lay.cu_seqlens.dtype == torch.int32
     assert sequence_layout.packed_layout(torch.arange(9)[None], 1, 9) is None
     assert sequence_layout.packed_layout(torch.arange(9)[None], 3, 9) is None  # broadcast rows
-    lay = sequence_layout.packed_layout(torch.tensor([[2, 3, 4, 2, 3]]), 2, 5)
-    assert lay.cu_seqlens.tolist() == [0, 3, 5, 8, 10]
+    # shared positions of a batch of several rows: one sequence per row, without a host sync
+    assert sequence_layout.packed_layout(torch.tensor([[2, 3, 4, 2, 3]]), 2, 5) is None
+    lay = sequence_layout.packed_layout(torch.tensor([[2, 3, 4, 2, 3], [0, 1, 0, 1, 2]]), 2, 5)
+    assert lay.cu_seqlens.tolist() == [0, 3, 5, 7, 10]

@@ -75,7 +75,16 @@ def padding_layout(attention_mask: torch.Tensor, unpad_input: Callable) -> Paddi
 def packed_layout(position_ids: torch.Tensor, batch: int, seqlen: int) -> Optional[PackedLayout]:
     """Sequences packed in rows of ``position_ids`` (batch or 1, seqlen): a new sequence starts at
     each row start and wherever the position does not grow by exactly one (the rule transformers'
-    own masks use for packed batches). None when every row is one sequence."""
+    own masks use for packed batches). None when every row is one sequence.
+
+    Positions shared by all rows of a batch of several ((1, seqlen) for batch > 1) are taken as
+    one sequence per row without reading them: that is what transformers makes when the caller
+    passes none (cache_position), and reading them would cost a host sync on every forward of an
+    ordinary batch (a 4 x 2048 Llama training step ran 7-11% slower with it). Packed batches come
+    as one row (DataCollatorWithFlattening) or with positions for every row."""
+    if batch > 1 and position_ids.shape[0] == 1:
+        return None
+
     def compute():
         pos = position_ids.expand(batch, seqlen)
         starts = torch.ones((batch, seqlen), dtype=torch.bool, device=pos.device)
