@@ -69,6 +69,92 @@ def _padded_head_dim(d: int) -> int:
     return (d + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """ops._is_aligned for a 4-D tensor outside torch.compile, in half its host time (the
+    fast path's). OR-ing the strides and the offset (all >= 0) before the modulo tests each
+    of them for a multiple of _ALIGN, a power of two."""
+    s0, s1, s2, s3 = t.stride()
+    return s3 == 1 and not (s0 | s1 | s2 | t.storage_offset()) % _ALIGN
+
+
+# The fast path's device test, widened to CPU tensors by the CPU tests and
+# tools/host_python_overhead.py (CPU tensors stand in for CUDA ones there); never set otherwise.
+_FAST_PATH_ON_CPU = False
+
+
+def _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, dropout_p):
+    """The common call's arguments, checked with a few inline tests: the op's (softmax_scale,
+    causal, window_left, window_right, softcap), or None for anything else.
+
+    Why: attn_fwd's and attn_bwd's full checks (flash_ext._validation) and argument handling
+    cost ~10-20 us of host time per call, more than the op's own dispatch (issue 25). Most
+    calls are the same simple case, which these tests recognise for a fraction of that.
+
+    What it must keep equal to the full path: it accepts only inputs that the full path
+    accepts, and for them returns exactly what the full path passes to the op (the same
+    ``_scalar_args``, with no padding, no copy and nothing to skip), so the op call is the
+    same; everything else returns None (never raises) and the caller runs the full path,
+    which raises its errors or handles the rest (varlen, out=, dropout, padding, copies of
+    unaligned tensors, calls with nothing to compute, numpy scalars, tensor window sizes,
+    torch.compile tracing). tests/test_fast_path.py checks both against each other.
+
+    The common case: q, k, v plain torch.Tensor on one CUDA device, all float16 or all
+    bfloat16, 4-D (b, sq, hq, d) / (b, sk, hkv, d) with b, sq, sk >= 1, hq a multiple of
+    hkv, d a multiple of 8 and <= 256, rows aligned (as ops._is_aligned); softmax_scale None
+    or a finite float > 0; causal and deterministic bools; window_size a tuple or list of two
+    ints >= -1; softcap a finite float; dropout_p a float or int equal to 0."""
+    if torch.compiler.is_compiling():
+        return None
+    tensor = torch.Tensor
+    if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
+        return None
+    cpu = _FAST_PATH_ON_CPU
+    if not ((q.is_cuda or cpu and q.is_cpu) and (k.is_cuda or cpu and k.is_cpu)
+            and (v.is_cuda or cpu and v.is_cpu) and q.get_device() == k.get_device()
+            == v.get_device()):
+        return None
+    dtype = q.dtype
+    if (dtype is not torch.bfloat16 and dtype is not torch.float16) or k.dtype is not dtype \
+            or v.dtype is not dtype:
+        return None
+    if q.dim() != 4 or k.dim() != 4:
+        return None
+    b, sq, hq, d = q.shape
+    kshape = k.shape
+    bk, sk, hkv, dk = kshape
+    if bk != b or dk != d or v.shape != kshape or d % _ALIGN or d > _validation.MAX_HEADDIM \
+            or d < 1 or b < 1 or sq < 1 or sk < 1 or hkv < 1 or hq < 1 or hq % hkv:
+        return None
+    # Plain Python scalars only (numpy scalars, SymInts, ... take the full path).
+    if (type(dropout_p) is not float and type(dropout_p) is not int) or dropout_p != 0:
+        return None
+    if deterministic is not False and deterministic is not True:
+        return None
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif type(softmax_scale) is float and 0.0 < softmax_scale < math.inf:
+        scale = softmax_scale
+    else:
+        return None
+    if type(softcap) is not float or not -math.inf < softcap < math.inf:
+        return None
+    if (type(window_size) is not tuple and type(window_size) is not list) \
+            or len(window_size) != 2:
+        return None
+    left, right = window_size
+    if type(left) is not int or type(right) is not int or left < -1 or right < -1:
+        return None
+    if causal is True:
+        right = 0
+    elif causal is not False:
+        return None
+    # Last, as in the full path (which reads strides and offsets after all other checks).
+    for t in (q, k, v):
+        if not _rows_aligned(t):
+            return None
+    return scale, causal, left, right, softcap if softcap > 0.0 else 0.0
+
+
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
              softmax_scale: Optional[float] = None, causal: bool = False,
              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
@@ -121,6 +207,12 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         rng_state (only when dropout_p > 0): the int64 CPU [seed, offset] tensor the mask came
             from; pass it to :func:`attn_bwd` (autograd does that itself).
     """
+    if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None \
+            and max_seqlen_k is None and out is None and rng_state is None:
+        args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+                          dropout_p)
+        if args is not None:
+            return ops._fwd(q, k, v, None, None, 0, 0, *args, 0.0, None, deterministic)
     varlen = _validation.check_fwd_inputs(
         q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -215,6 +307,13 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     Not differentiable itself (no double backward).
     """
+    if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None \
+            and max_seqlen_k is None and dq is None and dk is None and dv is None \
+            and rng_state is None:
+        grads = _attn_bwd_fast(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
+                               softcap, deterministic, dropout_p)
+        if grads is not None:
+            return grads
     varlen = _validation.check_bwd_inputs(
         dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -256,6 +355,42 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                 dst.copy_(g)
                 result.append(dst)
     return tuple(result)
+
+
+def _attn_bwd_fast(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap,
+                   deterministic, dropout_p):
+    """attn_bwd's common call (no varlen, no dq/dk/dv, no dropout) as :func:`_fast_args`
+    recognises it, plus dout and out like q and aligned, lse float32 of the forward's shape: the
+    op's (dq, dk, dv), with the same arguments as the full path passes; None otherwise (the
+    caller then runs the full path)."""
+    args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+                      dropout_p)
+    if args is None:
+        return None
+    tensor = torch.Tensor
+    if type(dout) is not tensor or type(out) is not tensor or type(lse) is not tensor:
+        return None
+    cpu, device = _FAST_PATH_ON_CPU, q.get_device()
+    if not ((dout.is_cuda or cpu and dout.is_cpu) and (out.is_cuda or cpu and out.is_cpu)
+            and (lse.is_cuda or cpu and lse.is_cpu) and dout.get_device() == device
+            and out.get_device() == device and lse.get_device() == device):
+        return None
+    dtype, shape = q.dtype, q.shape
+    if dout.dtype is not dtype or out.dtype is not dtype or lse.dtype is not torch.float32 \
+            or dout.shape != shape or out.shape != shape \
+            or lse.shape != (shape[0], shape[2], shape[1]):
+        return None
+    if not (_rows_aligned(dout) and _rows_aligned(out)):
+        return None
+    if not torch.is_grad_enabled():
+        return ops._bwd(dout, q, k, v, out, lse, None, None, 0, 0, *args, deterministic,
+                        float(dropout_p), None)
+    torch._C._set_grad_enabled(False)  # torch.no_grad(), as the full path, for less host time
+    try:
+        return ops._bwd(dout, q, k, v, out, lse, None, None, 0, 0, *args, deterministic,
+                        float(dropout_p), None)
+    finally:
+        torch._C._set_grad_enabled(True)
 
 
 # Imported last: interface.py calls attn_fwd.

@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from flash_ext import _validation, attn_fwd, ops
+from flash_ext import _fast_args, _validation, attn_fwd, ops
 from flash_ext.reference import local_mask
 
 __all__ = [
@@ -120,6 +120,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """q (b, sq, hq, d), k and v (b, sk, hkv, d) -> out (b, sq, hq, d)
     [or (out, lse, S_dmask) with return_attn_probs]."""
     _validation.check_unsupported("flash_attn_func", alibi_slopes)
+    if return_attn_probs is False:
+        args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+                          dropout_p)
+        if args is not None:  # attn_fwd's fast path, without its call
+            return ops._fwd(q, k, v, None, None, 0, 0, *args, 0.0, None, deterministic)[0]
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,
                 deterministic=deterministic)
@@ -132,6 +137,11 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     fn = "flash_attn_kvpacked_func"
     _validation.check_unsupported(fn, alibi_slopes)
     k, v = _unpack(fn, "kv", kv, 2, 2, 5, "(batch, seqlen_k, 2, nheads_kv, headdim)")
+    if return_attn_probs is False:
+        args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+                          dropout_p)
+        if args is not None:  # attn_fwd's fast path, without its call
+            return ops._fwd(q, k, v, None, None, 0, 0, *args, 0.0, None, deterministic)[0]
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,
                 deterministic=deterministic)
@@ -144,6 +154,11 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     fn = "flash_attn_qkvpacked_func"
     _validation.check_unsupported(fn, alibi_slopes)
     q, k, v = _unpack(fn, "qkv", qkv, 2, 3, 5, "(batch, seqlen, 3, nheads, headdim)")
+    if return_attn_probs is False:
+        args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+                          dropout_p)
+        if args is not None:  # attn_fwd's fast path, without its call
+            return ops._fwd(q, k, v, None, None, 0, 0, *args, 0.0, None, deterministic)[0]
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,
                 deterministic=deterministic)

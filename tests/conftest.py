@@ -72,12 +72,16 @@ def fake_mode():
 
 @pytest.fixture
 def meta_ok(monkeypatch):
-    """Let the Python layer accept meta tensors (it requires CUDA tensors otherwise)."""
+    """Let the Python layer accept meta and CPU tensors (it requires CUDA tensors otherwise):
+    the full path's device check, and the fast path's (flash_ext._fast_args), which then
+    serves the common calls on CPU tensors as it does on CUDA ones."""
+    import flash_ext
     from flash_ext import _validation as V
     orig = V.check_devices
     monkeypatch.setattr(V, "check_devices",
                         lambda tensors, require_cuda=True, **kw: orig(tensors, require_cuda=False,
                                                                        **kw))
+    monkeypatch.setattr(flash_ext, "_FAST_PATH_ON_CPU", True)
 
 
 def meta(*shape, dtype=torch.bfloat16, requires_grad=False):
