@@ -68,6 +68,7 @@ def make_extension() -> CUDAExtension:
         "ops_library.cpp", "ops_fwd.cpp", "ops_bwd.cpp", "ops_autograd.cpp", "ops_dropout.cpp",
         "api/checks.cpp", "api/errors.cpp", "api/params_fill.cpp", "api/workspace.cpp",
         "dispatch/paths.cpp", "tuning/heuristics.cpp", "tuning/overrides.cpp", "device_info.cpp",
+        "sm90/tensor_map_encode.cu",  # host only: the TMA encode (needs nvcc for CUTLASS's declaration)
         "dropout_mask.cu",  # the flash_ext::dropout_mask kernel
     )]
     for f in host_sources:

@@ -7,6 +7,7 @@
 
 #include "dispatch/bwd_dispatch.h"
 #include "sm90/bwd_kernel.cuh"
+#include "sm90/tensor_map_encode.h"
 
 namespace flash_ext {
 

@@ -10,6 +10,7 @@
 #include "dispatch/fwd_dispatch.h"
 #include "tuning/heuristics.h"
 #include "sm90/fwd_kernel.cuh"
+#include "sm90/tensor_map_encode.h"
 
 namespace flash_ext {
 
