@@ -6,8 +6,10 @@
     python tools/hf_train_step.py --layers 8 --seqlen 4096 --batch 2 --json out.json
 
 Builds the model from a config (random init, nothing downloaded), once per implementation with
-the same weights, and times forward + backward + AdamW step with CUDA events after warmup
-(median of --repeats timed blocks of --steps steps each). Prints one line per implementation and
+the same weights, and times forward + backward + AdamW step with CUDA events after warmup:
+--repeats rounds in which the implementations take turns, one block of --steps steps each
+(order reversed every round); the median block per implementation. --profile adds each one's
+top kernels and its attention ops' device time per step. Prints one line per implementation and
 the ratio. --packed times a padding-free batch instead: one row of --batch sequences of --seqlen
 tokens each, position_ids restarting per sequence (DataCollatorWithFlattening's layout).
 """
@@ -56,7 +58,7 @@ def build_inputs(args, torch):
     return dict(input_ids=ids.cuda(), labels=ids.cuda())
 
 
-def time_steps(model, inputs, args, torch):
+def make_step(model, inputs, torch):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
 
@@ -65,19 +67,43 @@ def time_steps(model, inputs, args, torch):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(args.warmup):
+    return step
+
+
+def time_block(step, args, torch):
+    """ms per step over one block of --steps steps (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(args.steps):
         step()
-    times = []
-    for _ in range(args.repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(args.steps):
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / args.steps
+
+
+def time_interleaved(steps, args, torch):
+    """impl -> median ms per step. The implementations take turns block by block (the order
+    reversed every round), so clock and thermal drift over the run weighs on all of them alike."""
+    for step in steps.values():
+        for _ in range(args.warmup):
             step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / args.steps)
-    return statistics.median(times)
+    times = {impl: [] for impl in steps}
+    order = list(steps)
+    for r in range(args.repeats):
+        for impl in (order if r % 2 == 0 else order[::-1]):
+            times[impl].append(time_block(steps[impl], args, torch))
+    return {impl: statistics.median(t) for impl, t in times.items()}
+
+
+# Ops whose device time is attention's: flash_ext's ops (with the GQA gradient sums they launch)
+# and SDPA's backends.
+ATTENTION_OPS = ("flash_ext::fwd", "flash_ext::bwd", "aten::_scaled_dot_product_flash_attention",
+                 "aten::_scaled_dot_product_flash_attention_backward",
+                 "aten::_scaled_dot_product_cudnn_attention",
+                 "aten::_scaled_dot_product_cudnn_attention_backward",
+                 "aten::_scaled_dot_product_efficient_attention",
+                 "aten::_scaled_dot_product_efficient_attention_backward")
 
 
 def profile_steps(model, inputs, impl, torch):
@@ -91,7 +117,12 @@ def profile_steps(model, inputs, impl, torch):
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     print(f"--- {impl}: top GPU kernels over 3 steps")
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=18, max_name_column_width=70))
+    events = prof.key_averages()
+    print(events.table(sort_by="device_time_total", row_limit=18, max_name_column_width=70))
+    attn = {e.key: e.device_time_total / 3 for e in events if e.key in ATTENTION_OPS}
+    total = sum(e.self_device_time_total for e in events) / 3
+    print(f"--- {impl}: attention device time per step: {sum(attn.values()) / 1000:.3f} ms of "
+          f"{total / 1000:.3f} ms; " + ", ".join(f"{k} {v / 1000:.3f} ms" for k, v in sorted(attn.items())))
 
 
 def main(argv=None):
@@ -116,7 +147,7 @@ def main(argv=None):
     inputs = build_inputs(args, torch)
     torch.manual_seed(0)
     state = None
-    results = {}
+    models = {}
     for impl, name in names.items():
         model = transformers.AutoModelForCausalLM.from_config(
             copy.deepcopy(config), attn_implementation=name).to("cuda", dtype)
@@ -124,11 +155,11 @@ def main(argv=None):
             state = {k: v.clone() for k, v in model.state_dict().items()}
         else:
             model.load_state_dict(state)
-        results[impl] = time_steps(model, inputs, args, torch)
-        if args.profile:
+        models[impl] = model
+    results = time_interleaved({impl: make_step(m, inputs, torch) for impl, m in models.items()}, args, torch)
+    if args.profile:
+        for impl, model in models.items():
             profile_steps(model, inputs, impl, torch)
-        del model
-        torch.cuda.empty_cache()
     shape = (f"1 x {args.batch * args.seqlen} packed ({args.batch} sequences)" if args.packed
              else f"{args.batch} x {args.seqlen}")
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.heads} q / {args.kv_heads} "
