@@ -109,11 +109,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 
   // dK, dV in the input dtype. GQA/MQA: the kernel writes one gradient per query head into
   // expanded (.., heads_q, d) buffers, summed over each group of heads_q / heads_kv below.
+  // Expanded, both live in one buffer (dK then dV), so that one reduction sums both.
   const bool expand = s.heads_q != s.heads_kv;
   std::vector<int64_t> kv_shape(k.sizes().begin(), k.sizes().end());
   if (expand) kv_shape[kv_shape.size() - 2] = s.heads_q;
-  at::Tensor dk_buf = at::empty(kv_shape, q.options());
-  at::Tensor dv_buf = at::empty(kv_shape, q.options());
+  std::vector<int64_t> pair_shape(kv_shape);
+  pair_shape.insert(pair_shape.begin(), 2);
+  at::Tensor kv_pair = expand ? at::empty(pair_shape, q.options()) : at::Tensor();
+  at::Tensor dk_buf = expand ? kv_pair.select(0, 0) : at::empty(kv_shape, q.options());
+  at::Tensor dv_buf = expand ? kv_pair.select(0, 1) : at::empty(kv_shape, q.options());
   if (varlen) {
     // Tokens outside every sequence (none when cu_seqlens_k[-1] == total_k) are not written.
     const size_t bytes = size_t(dk_buf.numel()) * dk_buf.element_size();
@@ -149,11 +153,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   }
   at::Tensor dk = dk_buf, dv = dv_buf;
   if (expand) {
-    std::vector<int64_t> grouped(kv_shape);
+    std::vector<int64_t> grouped(pair_shape);
     grouped[grouped.size() - 2] = s.heads_kv;
     grouped.insert(grouped.end() - 1, s.heads_q / s.heads_kv);
-    dk = dk_buf.view(grouped).sum(-2);
-    dv = dv_buf.view(grouped).sum(-2);
+    const at::Tensor sums = kv_pair.view(grouped).sum(-2);
+    dk = sums.select(0, 0);
+    dv = sums.select(0, 1);
   }
   return {dq, dk, dv};
 }
