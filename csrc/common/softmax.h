@@ -82,7 +82,7 @@ struct OnlineSoftmax {
   // P V wait there, so that the wait sits behind those exponentials only, not behind the other
   // rows' max chains). Keep the math in sync with update_scores. The two share no helpers because
   // per-row helpers, which left update_scores' SASS as it was, moved the register allocation of
-  // the unmasked kLoopPvMid kernels (session 17), whose measured SASS this keeps.
+  // the unmasked kLoopPvMid kernels, whose measured SASS this keeps (docs/perf-notes.md).
   template <bool kFirstBlock, int kChains, typename TensorS, typename Hook>
   __device__ __forceinline__ void update_scores_split(TensorS& scores, float scale_log2, float (&correction)[kRows],
                                                       float slack_log2, Hook const& after_half) {
