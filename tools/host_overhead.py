@@ -4,8 +4,8 @@ small that the GPU never holds the host back: where the time of a short, launch-
 
     PYTHONPATH=. python tools/host_overhead.py [--b 1 --s 128 --hq 2 --hkv 2 --d 128] [--no-causal]
 
-Prints microseconds of host time per call (the best of --repeats runs of --n calls each, no
-synchronisation inside a run), then the top CPU ops of --profile-steps steps of flash_ext and of
+Prints microseconds of host time per call (the median of --repeats interleaved rounds of --n
+calls per case, no synchronisation inside a run; the step's flash_ext / SDPA ratio per round), then the top CPU ops of --profile-steps steps of flash_ext and of
 SDPA (torch.profiler, self CPU time per step), and last one line:
 
     host step us: flash_ext X, sdpa Y, ratio Z
@@ -13,6 +13,7 @@ SDPA (torch.profiler, self CPU time per step), and last one line:
 where a step is forward + torch.autograd.grad for q, k, v (flash_ext.attn_fwd against
 F.scaled_dot_product_attention with the flash backend), and ratio = X / Y."""
 import argparse
+import statistics
 import time
 
 import torch
@@ -23,20 +24,31 @@ from torch.profiler import ProfilerActivity, profile
 import flash_ext
 
 
-def host_us(fn, n, repeats):
-    """Host microseconds per call: the best of `repeats` runs of `n` calls (a run is not
-    synchronised inside, so with a GPU that keeps up its wall time is the host's)."""
-    for _ in range(20):
+def run_us(fn, n):
+    """Host microseconds per call over one run of `n` calls (not synchronised inside, so with a
+    GPU that keeps up its wall time is the host's)."""
+    t = time.perf_counter()
+    for _ in range(n):
         fn()
+    us = (time.perf_counter() - t) / n * 1e6
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(n):
+    return us
+
+
+def host_us_rounds(cases, n, rounds):
+    """name -> per-round host us. Every round runs each case once (n calls), the order reversed
+    every other round, so that a slower or faster stretch of the machine weighs on all cases
+    alike and the cases of one round can be compared pairwise."""
+    for fn in cases.values():
+        for _ in range(20):
             fn()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return best
+    torch.cuda.synchronize()
+    names = list(cases)
+    per_round = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            per_round[name].append(run_us(cases[name], n))
+    return per_round
 
 
 def cpu_table(fn, steps, rows):
@@ -61,7 +73,7 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--no-causal", dest="causal", action="store_false")
     ap.add_argument("--n", type=int, default=300, help="calls per run")
-    ap.add_argument("--repeats", type=int, default=5, help="runs per case (the best is kept)")
+    ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds (the median is kept)")
     ap.add_argument("--profile-steps", type=int, default=50)
     ap.add_argument("--rows", type=int, default=12, help="rows of each profiler table")
     a = ap.parse_args()
@@ -110,11 +122,16 @@ def main():
         "sdpa flash step (fwd + autograd.grad)": sdpa_step,
     }
     print(f"b={a.b} s={a.s} hq={a.hq} hkv={a.hkv} d={a.d} causal={a.causal} bf16, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}; best of {a.repeats} x {a.n}")
-    us = {}
-    for name, fn in cases.items():
-        us[name] = host_us(fn, a.n, a.repeats)
-        print(f"{us[name]:8.1f} us host per call  {name}", flush=True)
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {a.repeats} interleaved "
+          f"rounds x {a.n} calls: median (min-max) us")
+    rounds = host_us_rounds(cases, a.n, a.repeats)
+    us = {name: statistics.median(t) for name, t in rounds.items()}
+    for name, t in rounds.items():
+        print(f"{us[name]:8.1f} us host per call  ({min(t):.1f}-{max(t):.1f})  {name}", flush=True)
+    ext_name, sdpa_name = "flash_ext step (attn_fwd + autograd.grad)", "sdpa flash step (fwd + autograd.grad)"
+    ratios = [e / s for e, s in zip(rounds[ext_name], rounds[sdpa_name])]
+    print(f"step ratio flash_ext / sdpa per round: median {statistics.median(ratios):.3f}, "
+          f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} rounds")
 
     print(f"\nflash_ext step, top CPU ops over {a.profile_steps} steps:")
     print(cpu_table(ext_step, a.profile_steps, a.rows))
