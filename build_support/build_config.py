@@ -155,6 +155,13 @@ FAMILIES: tuple[Family, ...] = (
         splits=_bwd_sm80_splits(),
     ),
     Family(
+        name="decode",
+        header="decode/decode_launch.cuh",
+        function="flash_ext::run_decode<{hdim}, {is_bf16}>(const flash_ext::DecodeParams&, cudaStream_t)",
+        hdims=(64, 128, 256),  # other head dims run in the next larger kernel (predicated loads)
+        one_ptx=True,
+    ),
+    Family(
         name="fwd_sm90",
         header="sm90/fwd_launch.cuh",
         function=("flash_ext::run_fwd_sm90<{hdim}, {is_bf16}>(const flash_ext::FwdParams&, "

@@ -16,7 +16,7 @@
 namespace flash_ext {
 
 // A family of kernels: one launcher template per (head dim, dtype) (csrc/dispatch/*_dispatch.h).
-enum class Family { kFwdSm80, kBwdSm80, kFwdSm90, kBwdSm90 };
+enum class Family { kFwdSm80, kBwdSm80, kFwdSm90, kBwdSm90, kDecode };
 
 template <int... kDims>
 struct HeadDims {};
@@ -29,6 +29,7 @@ template <> struct FamilyHeadDims<Family::kFwdSm80> { using type = HeadDims<32, 
 template <> struct FamilyHeadDims<Family::kBwdSm80> { using type = HeadDims<32, 64, 96, 128, 192, 256>; };
 template <> struct FamilyHeadDims<Family::kFwdSm90> { using type = HeadDims<64, 96, 128, 192, 256>; };
 template <> struct FamilyHeadDims<Family::kBwdSm90> { using type = HeadDims<64, 128, 256>; };
+template <> struct FamilyHeadDims<Family::kDecode> { using type = HeadDims<64, 128, 256>; };
 
 // Whether this build compiled kernels of head dim d / of the dtype / of the Hopper families.
 constexpr bool head_dim_built(int d) {

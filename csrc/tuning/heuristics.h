@@ -103,4 +103,11 @@ BwdTile choose_bwd_sm80_tile(int kernel_head_dim, const DeviceInfo& dev, const T
 // The same on the current device with the overrides in force (the launcher's entry point).
 BwdTile bwd_sm80_pick_tile(int kernel_head_dim);
 
+// Flash-Decoding's splits of the keys (docs/design-flash-decoding.md 2.1). units: the CTAs
+// without splitting (batch x KV heads x row blocks); slots: CTAs the GPU holds at once (SMs x
+// CTAs per SM); key_blocks: 64-key blocks of the cache's capacity (never device values: no sync,
+// and a captured graph stays valid as the cache fills). requested > 0 forces that many (at most
+// 128). Otherwise one wave: as many splits as fill the slots, each at least 4 key blocks long.
+int choose_decode_splits(int requested, int64_t units, int64_t slots, int64_t key_blocks);
+
 }  // namespace flash_ext

@@ -1,0 +1,36 @@
+// Launch of the decode kernel (decode/decode_kernel.cuh) and, with more than one split, of the
+// combine kernel that merges the splits. The host (ops_kvcache.cpp) chose the splits and
+// allocated the partials.
+#pragma once
+#include <cuda_runtime.h>
+#include <cutlass/numeric_types.h>
+
+#include "common/kernel_smem.h"
+#include "decode/decode_kernel.cuh"
+#include "dispatch/decode_dispatch.h"
+
+namespace flash_ext {
+
+template <int kHeadDim, bool kIsBf16>
+void run_decode(const DecodeParams& p, cudaStream_t stream) {
+  using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
+  using Traits = decode::DecodeTraits<kHeadDim, Element>;
+  static_assert(Traits::kSmemBytes == decode_smem_bytes(kHeadDim), "decode_params.h's smem size is the kernel's");
+  if (p.batch == 0 || p.packed_rows == 0) return;
+  auto kernel = &decode::decode_kernel<Traits>;
+  constexpr int smem = Traits::kSmemBytes;
+  if constexpr (smem > 48 * 1024) {
+    set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+  }
+  const int m_blocks = (p.packed_rows + kDecodeBlockM - 1) / kDecodeBlockM;
+  const dim3 grid(m_blocks * p.num_splits, p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
+  if (p.num_splits > 1) {
+    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+    constexpr int kRowsPerCta = 4;  // one warp per row
+    decode::split_combine_kernel<kHeadDim, Element>
+        <<<unsigned((rows + kRowsPerCta - 1) / kRowsPerCta), 32 * kRowsPerCta, 0, stream>>>(p);
+  }
+}
+
+}  // namespace flash_ext

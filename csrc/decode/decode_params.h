@@ -1,0 +1,118 @@
+// The problem of one decode call (flash_ext::fwd_kvcache): a few query tokens per sequence
+// against a KV cache, for the split-KV decode kernel (decode/decode_kernel.cuh). Plain data, no
+// CUTLASS or torch types: the host fills it (ops_kvcache.cpp), the kernels read it.
+#pragma once
+#include <cstdint>
+
+namespace flash_ext {
+
+struct DecodeParams {
+  // q (batch, seqlen_q, heads_q, head_dim); k/v cache (batch, capacity, heads_kv, head_dim);
+  // out like q; lse (batch, heads_q, seqlen_q) fp32, contiguous. Strides in elements.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+
+  int batch = 0, seqlen_q = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+  int group = 1;        // heads_q / heads_kv: the query heads that share a KV head
+  int packed_rows = 0;  // group * seqlen_q: the rows of one KV head's tile (row p = token p / group,
+                        // query head head_kv * group + p % group)
+  int capacity = 0;     // cache rows per sequence
+
+  // Keys of sequence b: slots [leftpad_b, L_b), L_b = L0_b + seqlen_new, L0_b = cache_seqlens[b]
+  // (or cache_seqlen for every sequence when that is null: the host resolves "full" to the
+  // capacity), leftpad_b = cache_leftpad[b] or 0. Query token t sits at slot t + L_b - seqlen_q
+  // (FlashAttention's bottom-right alignment); positions are absolute slots.
+  const int* cache_seqlens = nullptr;
+  int cache_seqlen = 0;
+  int seqlen_new = 0;
+  const int* cache_leftpad = nullptr;
+  // Cache row of sequence b: cache_batch_idx[b] (or b). Paged (block_table != null): slot n of
+  // sequence b is row n % page_size of page block_table[b * block_table_batch_stride + n /
+  // page_size], pages k_batch_stride / v_batch_stride apart; a page outside [0, num_pages) is
+  // never read (its rows load as zeros).
+  const int* cache_batch_idx = nullptr;
+  const int* block_table = nullptr;
+  int64_t block_table_batch_stride = 0;
+  int page_size = 0;
+  int num_pages = 0;
+
+  // Rotary embedding of q (the new k is rotated by the append kernel): the first rotary_dim
+  // columns, at position L0_b + t (rotary_per_token: causal or local) or L0_b, with the cos / sin
+  // tables (seqlen_ro, rotary_dim / 2) of q's dtype; interleaved pairs (2i, 2i+1), else (i, i +
+  // rotary_dim / 2).
+  const void* rotary_cos = nullptr;
+  const void* rotary_sin = nullptr;
+  int64_t rotary_row_stride = 0;
+  int rotary_dim = 0;
+  bool rotary_interleaved = true;
+  bool rotary_per_token = false;
+
+  // ALiBi: score -= slope * |key position - query position|, slope = alibi_slopes[b *
+  // alibi_batch_stride + head] (fp32; batch stride 0 for (heads_q,) slopes).
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+
+  float softmax_scale = 0.f;
+  float softmax_scale_log2 = 0.f;  // softmax_scale * log2(e), or log2(e) with softcap
+  float softcap = 0.f;             // > 0: s <- softcap * tanh(s * softmax_scale / softcap)
+  // Visible keys of token t at position i: [i - window_left, i + window_right], -1 = unbounded
+  // on that side (causal: window_right = 0).
+  int window_left = -1, window_right = -1;
+
+  // Split-KV: num_splits CTAs share each (sequence, KV head, row block); with more than one,
+  // each writes its normalized fp32 output and lse to the partials and a combine kernel merges
+  // them. o_partial (num_splits, batch, heads_q, seqlen_q, kernel head dim), lse_partial
+  // (num_splits, batch, heads_q, seqlen_q).
+  int num_splits = 1;
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
+};
+
+// Rows of one decode tile (packed (token, query head) pairs) and keys per block.
+constexpr int kDecodeBlockM = 16;
+constexpr int kDecodeBlockN = 64;
+
+// Shared memory of the decode kernel of kernel head dim kd (2-byte elements): Q (16 x kd), K and
+// V (64 x kd each); checked against the kernel's traits where it is compiled.
+constexpr int decode_smem_bytes(int kd) { return (kDecodeBlockM + 2 * kDecodeBlockN) * kd * 2; }
+
+}  // namespace flash_ext
+
+namespace flash_ext {
+
+// The append of new tokens to a KV cache (flash_ext::kvcache_append): token t of sequence b goes
+// to slot L0_b + t (L0_b as in DecodeParams), k rotated first when rotary_dim > 0 (always at its
+// own position L0_b + t). Cache addressing (batch index, pages) as in DecodeParams.
+struct AppendParams {
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t kc_batch_stride = 0, kc_row_stride = 0, kc_head_stride = 0;  // batch = page stride when paged
+  int64_t vc_batch_stride = 0, vc_row_stride = 0, vc_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int batch = 0, seqlen_new = 0, heads_kv = 0, head_dim = 0;
+  int capacity = 0;
+  const int* cache_seqlens = nullptr;
+  int cache_seqlen = 0;
+  const int* cache_batch_idx = nullptr;
+  const int* block_table = nullptr;
+  int64_t block_table_batch_stride = 0;
+  int page_size = 0;
+  int num_pages = 0;
+  const void* rotary_cos = nullptr;
+  const void* rotary_sin = nullptr;
+  int64_t rotary_row_stride = 0;
+  int rotary_dim = 0;
+  bool rotary_interleaved = true;
+};
+
+}  // namespace flash_ext
