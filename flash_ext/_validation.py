@@ -852,8 +852,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
         page_size = k_cache.shape[1]
         if page_size < 1 or page_size % KVCACHE_PAGE_MULTIPLE != 0:
             raise FlashExtValueError(
-                f"{name}: the page size (k_cache.shape[1] with block_table) must be a multiple "
-                f"of {KVCACHE_PAGE_MULTIPLE}, got {page_size}")
+                f"{name}: page size must be a multiple of {KVCACHE_PAGE_MULTIPLE}, got "
+                f"{page_size} (k_cache.shape[1] of a paged cache, with block_table)")
         capacity = block_table.shape[1] * page_size
     else:
         capacity = k_cache.shape[1]
