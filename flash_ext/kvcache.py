@@ -1,5 +1,5 @@
-"""flash_attn_with_kvcache: attention of new query tokens against a KV cache, with FlashAttention-2's
-signature and semantics (docs/design-flash-decoding.md 3.1).
+"""flash_attn_with_kvcache: attention of new query tokens against a KV cache, with
+FlashAttention-2's signature and semantics (docs/design-flash-decoding.md 3.1).
 
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
                                   cache_seqlens=cache_seqlens, causal=True)

@@ -44,6 +44,16 @@ def test_schemas_are_the_designed_ones():
     assert ops._fwd_kvcache is torch.ops.flash_ext.fwd_kvcache.default
 
 
+def test_the_wrapper_leaves_the_checks_to_validation():
+    """flash_ext/kvcache.py raises nothing itself: every check is in flash_ext/_validation.py."""
+    import ast
+    import inspect
+    from flash_ext import kvcache
+    raises = [n.lineno for n in ast.walk(ast.parse(inspect.getsource(kvcache)))
+              if isinstance(n, ast.Raise)]
+    assert raises == []
+
+
 def test_exported_like_the_other_flash_attn_functions():
     from flash_ext import interface
     assert "flash_attn_with_kvcache" in flash_ext.__all__
@@ -332,10 +342,11 @@ BAD = {
                       "k_cache must have q's dtype \\(float16\\); got bfloat16"),
     "v_dtype": (dict(), lambda kw: kw.update(v=kw["v"].bfloat16()), TypeError,
                 "v must have q's dtype"),
-    "rotary_dtype": (dict(rotary="half"), lambda kw: kw.update(rotary_cos=kw["rotary_cos"].float()),
-                     TypeError, "rotary_cos must have q's dtype"),
-    "alibi_dtype": (dict(alibi="h"), lambda kw: kw.update(alibi_slopes=kw["alibi_slopes"].half()),
-                    TypeError, "alibi_slopes must be float32; got float16"),
+    "rotary_dtype": (dict(rotary="half"), lambda kw: kw.update(
+        rotary_cos=kw["rotary_cos"].float()), TypeError, "rotary_cos must have q's dtype"),
+    "alibi_dtype": (dict(alibi="h"), lambda kw: kw.update(
+        alibi_slopes=kw["alibi_slopes"].half()), TypeError,
+        "alibi_slopes must be float32; got float16"),
     "block_table_int64": (dict(page_size=16), lambda kw: kw.update(
         block_table=kw["block_table"].long()), TypeError, "block_table must be int32; got int64"),
     "seqlens_int64": (dict(), lambda kw: kw.update(cache_seqlens=kw["cache_seqlens"].long()),
@@ -362,7 +373,8 @@ BAD = {
         cache_batch_idx=_i32(0, 1)), ValueError, "cache_batch_idx cannot be used with block_table"),
     "block_table_shape": (dict(page_size=16), lambda kw: kw.update(
         block_table=kw["block_table"][:1]), ValueError,
-        "block_table must have shape \\(batch, max_pages_per_seq\\) with batch = 2; got \\(1, 4\\)"),
+        "block_table must have shape \\(batch, max_pages_per_seq\\) with batch = 2; "
+        "got \\(1, 4\\)"),
     "too_few_cache_rows": (dict(), lambda kw: kw.update(k_cache=kw["k_cache"][:1],
                                                         v_cache=kw["v_cache"][:1]),
                            ValueError, "k_cache has 1 rows \\(batch_cache\\) for a batch of 2"),
@@ -378,7 +390,8 @@ BAD = {
                             "seqlen_q \\(17\\) and seqlen_new \\(1\\) must be at most the cache"),
     "int_lengths_past_capacity": (dict(s_new=2), lambda kw: kw.update(cache_seqlens=63),
                                   ValueError, "cache_seqlens \\+ seqlen_new must lie in "
-                                  "\\[0, capacity = 64\\]; got cache_seqlens = 63 and seqlen_new = 2"),
+                                  "\\[0, capacity = 64\\]; got cache_seqlens = 63 and "
+                                  "seqlen_new = 2"),
     "int_lengths_negative": (dict(), lambda kw: kw.update(cache_seqlens=-1), ValueError,
                              "must lie in \\[0, capacity"),
     "seqlens_shape": (dict(), lambda kw: kw.update(cache_seqlens=_i32(1, 2, 3)), ValueError,
