@@ -7,7 +7,8 @@ q (batch, seqlen_q, nheads_q, headdim), k and v (batch, seqlen_k, nheads_kv, hea
 or bfloat16 CUDA tensors; or varlen q (total_q, nheads_q, headdim) with cu_seqlens_q/k.
 attn_fwd and the FlashAttention-2-compatible functions (flash_attn_func,
 flash_attn_varlen_func, ...) are differentiable: autograd (eager or torch.compile) runs the
-backward kernel; attn_bwd calls it explicitly.
+backward kernel; attn_bwd calls it explicitly. flash_attn_with_kvcache (FlashAttention-2's
+KV-cache function: append, rotary, paged caches, ALiBi; forward only) is for decoding.
 
 Also: scaled_dot_product_attention (torch's SDPA signature and (batch, nheads, seqlen, headdim)
 layout, flash_ext.sdpa), unpad_input / pad_input (FlashAttention's bert_padding helpers,
@@ -44,6 +45,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "scaled_dot_product_attention",
     "unpad_input",
     "pad_input",
@@ -401,6 +403,7 @@ from flash_ext.interface import (  # noqa: E402
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 from flash_ext.padding import pad_input, unpad_input  # noqa: E402
 from flash_ext.sdpa import scaled_dot_product_attention  # noqa: E402

@@ -35,6 +35,12 @@ longer than ``max_seqlen``). They read the values back with one small device op 
   (``torch.compiler.is_compiling()``), while a CUDA graph is being captured, and when the
   environment variable ``FLASH_EXT_CHECK_CU_SEQLENS=0`` is set (or
   ``flash_ext._validation.CHECK_CU_SEQLENS_VALUES = False``), e.g. in latency-critical loops.
+
+flash_attn_with_kvcache's index tensors (cache_seqlens, cache_leftpad, cache_batch_idx,
+block_table) follow the same policy (:func:`check_kvcache_values`, once per set of tensors and
+their versions), switched off with ``FLASH_EXT_CHECK_KVCACHE=0`` (``CHECK_KVCACHE_VALUES``).
+Every one of its checks runs before the first op call, so a rejected call writes nothing into
+the caches.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ __all__ = [
     "MAX_HEADDIM",
     "SUPPORTED_DTYPES",
     "CHECK_CU_SEQLENS_VALUES",
+    "CHECK_KVCACHE_VALUES",
     "check_devices",
     "check_dtypes",
     "check_qkv_shapes",
@@ -77,6 +84,8 @@ __all__ = [
     "check_sdpa_inputs",
     "check_unpad_inputs",
     "check_pad_inputs",
+    "check_kvcache_inputs",
+    "check_kvcache_values",
 ]
 
 MAX_HEADDIM = 256
@@ -84,6 +93,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 # Value checks of cu_seqlens on CUDA tensors (one host sync per call); see the module docstring.
 CHECK_CU_SEQLENS_VALUES = os.environ.get("FLASH_EXT_CHECK_CU_SEQLENS", "1").strip().lower() not in (
+    "0", "false", "no", "off")
+# Value checks of flash_attn_with_kvcache's cache_seqlens, cache_leftpad, cache_batch_idx and
+# block_table on CUDA tensors (one host sync per new set of tensors); the same policy.
+CHECK_KVCACHE_VALUES = os.environ.get("FLASH_EXT_CHECK_KVCACHE", "1").strip().lower() not in (
     "0", "false", "no", "off")
 
 
@@ -223,15 +236,17 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-def should_check_values(t: torch.Tensor) -> bool:
-    """Whether the value checks of cu_seqlens run for tensor ``t`` (see the module docstring)."""
+def should_check_values(t: torch.Tensor, enabled: Optional[bool] = None) -> bool:
+    """Whether the value checks of cu_seqlens (or, with ``enabled`` =
+    :data:`CHECK_KVCACHE_VALUES`, of the KV-cache index tensors) run for tensor ``t`` (see the
+    module docstring). ``enabled`` None: :data:`CHECK_CU_SEQLENS_VALUES`."""
     if torch.compiler.is_compiling():
         return False  # tracing: no values, and no host sync in a compiled graph
     if _is_fake(t) or t.device.type == "meta":
         return False  # no values (tracing with fake tensors, torch.export, meta tensors)
     if t.device.type == "cpu":
         return True
-    if not CHECK_CU_SEQLENS_VALUES:
+    if not (CHECK_CU_SEQLENS_VALUES if enabled is None else enabled):
         return False
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
@@ -512,32 +527,45 @@ def _check_attention_inputs(q, k, v, softmax_scale, window_size, softcap, cu_seq
     return varlen
 
 
-# cu_seqlens tensors whose values passed the checks, by id: a model passes one cu_seqlens to each
-# of its layers (and as both cu_seqlens_q and cu_seqlens_k), so the host sync of the value check
-# is paid once per tensor, not once per call. An entry holds a weak reference (a new tensor at a
-# reused id is not taken for the old one) and the tensor's version counter (an in-place write
-# invalidates it); it goes when the tensor does.
+# Tensors whose values passed a value check, by kind and id: a model passes one cu_seqlens to
+# each of its layers (and as both cu_seqlens_q and cu_seqlens_k), and one cache_seqlens /
+# block_table to each layer of a decode step, so the host sync of the value check is paid once
+# per tensor (set), not once per call. An entry holds weak references (a new tensor at a reused
+# id is not taken for the old one), the tensors' version counters (an in-place write, such as a
+# decode loop's cache_seqlens += 1, invalidates it) and the other arguments the check depended
+# on; it goes when one of its tensors does.
 _CHECKED: dict = {}
 
 
 def _checked_before(cu: torch.Tensor, total: int, max_seqlen: int) -> bool:
-    entry = _CHECKED.get(id(cu))
-    if entry is None or entry[0]() is not cu:
+    return _values_checked_before("cu_seqlens", (cu,), (total, max_seqlen))
+
+
+def _remember_checked(cu: torch.Tensor, total: int, max_seqlen: int) -> None:
+    _remember_values_checked("cu_seqlens", (cu,), (total, max_seqlen))
+
+
+def _values_checked_before(kind: str, tensors: tuple, params: tuple) -> bool:
+    entry = _CHECKED.get((kind,) + tuple(id(t) for t in tensors))
+    if entry is None:
+        return False
+    refs, versions, old_params = entry
+    if any(r() is not t for r, t in zip(refs, tensors)):
         return False
     try:
-        return entry[1:] == (cu._version, total, max_seqlen)
+        return versions == tuple(t._version for t in tensors) and old_params == params
     except RuntimeError:  # inference tensors have no version counter
         return False
 
 
-def _remember_checked(cu: torch.Tensor, total: int, max_seqlen: int) -> None:
+def _remember_values_checked(kind: str, tensors: tuple, params: tuple) -> None:
+    key = (kind,) + tuple(id(t) for t in tensors)
     try:
-        version = cu._version
-        key = id(cu)
-        ref = weakref.ref(cu, lambda _, key=key: _CHECKED.pop(key, None))
+        versions = tuple(t._version for t in tensors)
+        refs = tuple(weakref.ref(t, lambda _, key=key: _CHECKED.pop(key, None)) for t in tensors)
     except (RuntimeError, TypeError):
         return
-    _CHECKED[key] = (ref, version, total, max_seqlen)
+    _CHECKED[key] = (refs, versions, params)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -692,3 +720,360 @@ def check_pad_inputs(hidden_states, indices, batch, seqlen) -> None:
             raise FlashExtValueError(
                 f"flash_ext: indices must lie in [0, batch * seqlen) = [0, {batch * seqlen}); "
                 f"got values from {lo} to {hi}")
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_ext.flash_attn_with_kvcache (docs/design-flash-decoding.md 3.4)
+# ----------------------------------------------------------------------------------------------
+
+KVCACHE_PAGE_MULTIPLE = 16  # page sizes of a paged cache: multiples of this many tokens
+MAX_NUM_SPLITS = 128  # num_splits above this are capped by the op
+
+
+def _kv_name(fn: str) -> str:
+    return f"flash_ext.{fn}"
+
+
+def _check_index_tensor(fn: str, name: str, t, shape: tuple, layout: str) -> None:
+    """An int32 index tensor of the given shape (FlashExtTypeError / FlashExtValueError)."""
+    if t is None:
+        return
+    if t.dtype != torch.int32:
+        raise FlashExtTypeError(
+            f"{_kv_name(fn)}: {name} must be int32; got {_dtype_name(t.dtype)}")
+    if tuple(t.shape) != tuple(shape):
+        raise FlashExtValueError(
+            f"{_kv_name(fn)}: {name} must have shape {layout} = "
+            f"({', '.join(str(s) for s in shape)}{',' if len(shape) == 1 else ''}); got "
+            f"{_shape(t)}")
+
+
+def _check_cache_rows_aligned(fn: str, name: str, t: torch.Tensor) -> None:
+    """A cache is used in place, never copied: its last dim contiguous and its rows 16-byte
+    aligned (every other stride and the storage offset a multiple of 8 elements)."""
+    strides = t.stride()
+    if strides[-1] != 1:
+        raise FlashExtValueError(
+            f"{_kv_name(fn)}: the last dimension of {name} must be contiguous (stride 1); got "
+            f"strides {tuple(strides)}. The caches are written and read in place, never copied.")
+    bad = [s for s in strides[:-1] if s % 8 != 0]
+    offset_ok = torch.compiler.is_compiling() or t.storage_offset() % 8 == 0
+    if bad or not offset_ok:
+        raise FlashExtValueError(
+            f"{_kv_name(fn)}: {name} must have 16-byte aligned rows (every stride but the last "
+            f"and the storage offset a multiple of 8 elements); got strides {tuple(strides)} "
+            f"and storage offset {t.storage_offset()}. The caches are used in place, never "
+            f"copied: allocate them with such strides.")
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                         cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                         block_table=None, softmax_scale=None, causal=False,
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
+                         require_cuda: bool = True) -> tuple:
+    """The structural checks of one flash_attn_with_kvcache call (no tensor values read, so no
+    host sync; design 3.4), in order: devices, dtypes, shapes of q and the caches, paging, new
+    k/v, cache_seqlens (an int's value included), the index tensors, rotary, ALiBi, scalars,
+    the caches' alignment. Returns ``(capacity, seqlen_new)``: the tokens a sequence's cache
+    can hold (``s_cache``, or ``max_pages * page_size``) and the new tokens per sequence (0
+    without k/v). The value checks are :func:`check_kvcache_values`."""
+    fn = "flash_attn_with_kvcache"
+    name = _kv_name(fn)
+    seqlens_is_tensor = isinstance(cache_seqlens, torch.Tensor)
+    if cache_seqlens is not None and not seqlens_is_tensor and not _is_int(cache_seqlens):
+        raise FlashExtTypeError(
+            f"{name}: cache_seqlens must be an int, an int32 tensor (batch,) or None; got "
+            f"{type(cache_seqlens).__name__}")
+    check_devices({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
+                   "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
+                   "cache_seqlens": cache_seqlens if seqlens_is_tensor else None,
+                   "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
+                   "block_table": block_table, "alibi_slopes": alibi_slopes},
+                  require_cuda=require_cuda, required=("q", "k_cache", "v_cache"))
+
+    # dtypes
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise FlashExtTypeError(
+            f"{name} supports float16 and bfloat16 only; got q of dtype {_dtype_name(q.dtype)}")
+    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                   ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if t is not None and t.dtype != q.dtype:
+            raise FlashExtTypeError(
+                f"{name}: {arg} must have q's dtype ({_dtype_name(q.dtype)}); got "
+                f"{_dtype_name(t.dtype)}")
+    if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
+        raise FlashExtTypeError(
+            f"{name}: alibi_slopes must be float32; got {_dtype_name(alibi_slopes.dtype)}")
+
+    # q and the caches
+    for arg, t, layout in (("q", q, "(batch, seqlen_q, nheads, headdim)"),
+                           ("k_cache", k_cache, "(batch_cache, seqlen_cache, nheads_k, headdim) "
+                            "or, with block_table, (num_pages, page_size, nheads_k, headdim)"),
+                           ("v_cache", v_cache, "k_cache's")):
+        if t.dim() != 4:
+            raise FlashExtValueError(f"{name}: {arg} must be 4-D {layout}; got shape {_shape(t)}")
+    if k_cache.shape != v_cache.shape:
+        raise FlashExtValueError(
+            f"{name}: k_cache and v_cache must have the same shape; got k_cache "
+            f"{_shape(k_cache)} and v_cache {_shape(v_cache)}")
+    b, sq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if b < 1 or sq < 1:
+        raise FlashExtValueError(
+            f"{name}: q must have batch >= 1 and seqlen_q >= 1; got q {_shape(q)}")
+    if k_cache.shape[3] != d:
+        raise FlashExtValueError(
+            f"{name}: q and k_cache must have the same head dim; got q {_shape(q)} and k_cache "
+            f"{_shape(k_cache)}")
+    if d < 1 or d > MAX_HEADDIM:
+        raise FlashExtValueError(f"{name}: head dim must be between 1 and {MAX_HEADDIM}; got {d}")
+    if d % 8 != 0:
+        raise FlashExtNotImplementedError(
+            f"{name}: the head dim must be a multiple of 8 (the caches are used in place, so "
+            f"they cannot be padded without copying them); got {d}")
+    if hq < 1 or hkv < 1 or hq % hkv != 0:
+        raise FlashExtValueError(
+            f"{name}: the number of query heads ({hq}) must be a positive multiple of the "
+            f"number of key/value heads of the cache ({hkv})")
+
+    # Paged or contiguous: the capacity of one sequence
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise FlashExtValueError(
+                f"{name}: cache_batch_idx cannot be used with block_table (a paged cache maps "
+                f"each sequence to its pages through block_table)")
+        if block_table.dtype != torch.int32:
+            raise FlashExtTypeError(
+                f"{name}: block_table must be int32; got {_dtype_name(block_table.dtype)}")
+        if block_table.dim() != 2 or block_table.shape[0] != b:
+            raise FlashExtValueError(
+                f"{name}: block_table must have shape (batch, max_pages_per_seq) with batch = "
+                f"{b}; got {_shape(block_table)}")
+        page_size = k_cache.shape[1]
+        if page_size < 1 or page_size % KVCACHE_PAGE_MULTIPLE != 0:
+            raise FlashExtValueError(
+                f"{name}: page size must be a multiple of {KVCACHE_PAGE_MULTIPLE}, got "
+                f"{page_size} (k_cache.shape[1] of a paged cache, with block_table)")
+        capacity = block_table.shape[1] * page_size
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] < b:
+            raise FlashExtValueError(
+                f"{name}: k_cache has {k_cache.shape[0]} rows (batch_cache) for a batch of {b}; "
+                f"it needs at least one row per sequence (or pass cache_batch_idx)")
+
+    # New k and v
+    if (k is None) != (v is None):
+        given = "k" if k is not None else "v"
+        raise FlashExtValueError(
+            f"{name}: k and v (the new tokens to append) must be given together; only {given} "
+            f"was given")
+    seqlen_new = 0
+    if k is not None:
+        for arg, t in (("k", k), ("v", v)):
+            if t.dim() != 4 or t.shape[0] != b or t.shape[2] != hkv or t.shape[3] != d:
+                raise FlashExtValueError(
+                    f"{name}: {arg} must have shape (batch, seqlen_new, nheads_k, headdim) = "
+                    f"({b}, seqlen_new, {hkv}, {d}); got {_shape(t)}")
+        if k.shape != v.shape:
+            raise FlashExtValueError(
+                f"{name}: k and v must have the same shape; got k {_shape(k)} and v {_shape(v)}")
+        seqlen_new = k.shape[1]
+        if cache_seqlens is None:
+            raise FlashExtValueError(
+                f"{name}: appending k and v needs cache_seqlens (where each sequence's new "
+                f"tokens go)")
+        if sq > capacity or seqlen_new > capacity:
+            raise FlashExtValueError(
+                f"{name}: with k and v, seqlen_q ({sq}) and seqlen_new ({seqlen_new}) must be at "
+                f"most the cache capacity ({capacity})")
+        for arg, t in (("k", k), ("v", v)):
+            if t.stride(-1) != 1 and t.shape[-1] != 1:
+                raise FlashExtValueError(
+                    f"{name}: the last dimension of {arg} must be contiguous (stride 1); got "
+                    f"strides {tuple(t.stride())}")
+
+    # cache_seqlens
+    if seqlens_is_tensor:
+        _check_index_tensor(fn, "cache_seqlens", cache_seqlens, (b,), "(batch,)")
+    elif cache_seqlens is not None:
+        if cache_seqlens < 0 or cache_seqlens + seqlen_new > capacity:
+            raise FlashExtValueError(
+                f"{name}: cache_seqlens + seqlen_new must lie in [0, capacity = {capacity}]; got "
+                f"cache_seqlens = {cache_seqlens} and seqlen_new = {seqlen_new}")
+    _check_index_tensor(fn, "cache_batch_idx", cache_batch_idx, (b,), "(batch,)")
+    _check_index_tensor(fn, "cache_leftpad", cache_leftpad, (b,), "(batch,)")
+
+    # Rotary
+    if (rotary_cos is None) != (rotary_sin is None):
+        given = "rotary_cos" if rotary_cos is not None else "rotary_sin"
+        raise FlashExtValueError(
+            f"{name}: rotary_cos and rotary_sin must be given together; only {given} was given")
+    if rotary_cos is not None:
+        if k is None:
+            raise FlashExtValueError(
+                f"{name}: rotary_cos/rotary_sin need the new k and v (rotary embedding is "
+                f"applied to q and to the appended k)")
+        for arg, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if t.dim() != 2:
+                raise FlashExtValueError(
+                    f"{name}: {arg} must be 2-D (seqlen_ro, rotary_dim / 2); got {_shape(t)}")
+        if rotary_cos.shape != rotary_sin.shape:
+            raise FlashExtValueError(
+                f"{name}: rotary_cos and rotary_sin must have the same shape; got "
+                f"{_shape(rotary_cos)} and {_shape(rotary_sin)}")
+        seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+        if rotary_dim < 16 or rotary_dim % 16 != 0 or rotary_dim > d:
+            raise FlashExtValueError(
+                f"{name}: the rotary dim (2 * rotary_cos.shape[1]) must be a multiple of 16 and "
+                f"at most the head dim ({d}); got {rotary_dim}")
+        if seqlen_ro < capacity:
+            raise FlashExtValueError(
+                f"{name}: rotary_cos/rotary_sin must have a row per cache position "
+                f"(seqlen_ro >= capacity = {capacity}); got seqlen_ro = {seqlen_ro}")
+        if _is_int(cache_seqlens) and cache_seqlens + sq > seqlen_ro \
+                and _per_token_positions(causal, window_size):
+            raise FlashExtValueError(
+                f"{name}: with causal or local attention, query token t is rotated at position "
+                f"cache_seqlens + t, so cache_seqlens + seqlen_q must be at most "
+                f"rotary_cos.shape[0] ({seqlen_ro}); got {cache_seqlens} + {sq}")
+
+    # ALiBi
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
+        raise FlashExtValueError(
+            f"{name}: alibi_slopes must have shape (nheads,) = ({hq},) or (batch, nheads) = "
+            f"({b}, {hq}); got {_shape(alibi_slopes)}")
+
+    # Scalars
+    check_softmax_scale(softmax_scale)
+    check_softcap(softcap)
+    check_window_size(window_size)
+    if not _is_int(num_splits):
+        raise FlashExtTypeError(
+            f"{name}: num_splits must be an int; got {type(num_splits).__name__}")
+    if num_splits < 0:
+        raise FlashExtValueError(
+            f"{name}: num_splits must be >= 0 (0 = automatic, 1 = no split, N = N splits); got "
+            f"{num_splits}")
+
+    # Last (reads strides and offsets): the caches are used in place
+    _check_cache_rows_aligned(fn, "k_cache", k_cache)
+    _check_cache_rows_aligned(fn, "v_cache", v_cache)
+    return capacity, seqlen_new
+
+
+def _per_token_positions(causal, window_size) -> bool:
+    """Whether q's rotary positions are cache_seqlens + t (causal or local) rather than
+    cache_seqlens for every query token (FlashAttention-2's rule)."""
+    if causal:
+        return True
+    if isinstance(window_size, torch.Tensor) and window_size.device.type != "cpu":
+        return True  # values not read here; the stricter bound
+    left, right = window_pair(window_size)
+    return left >= 0 or right >= 0
+
+
+def check_kvcache_values(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                         capacity: int, seqlen_new: int, rotary_rows: Optional[int] = None,
+                         per_token_positions: bool = False) -> None:
+    """The value checks of flash_attn_with_kvcache (design 3.4), after
+    :func:`check_kvcache_inputs`: each sequence's ``cache_seqlens + seqlen_new <= capacity``
+    (and >= 0), ``0 <= cache_leftpad <= cache_seqlens``, ``cache_batch_idx`` in ``[0,
+    batch_cache)``, the block_table entries of the pages that hold a visible key in ``[0,
+    num_pages)``, and with rotary whose q positions are per token (causal or local), the last
+    position ``cache_seqlens + seqlen_q - 1`` inside the tables (``rotary_rows``).
+
+    Runs as one small device computation and one ``.tolist()``, under the policy of the
+    cu_seqlens checks: always for CPU tensors; for CUDA tensors only in eager mode, never while
+    a CUDA graph is captured or torch.compile traces, once per set of tensors (and their
+    in-place versions), and not at all with ``FLASH_EXT_CHECK_KVCACHE=0``
+    (:data:`CHECK_KVCACHE_VALUES`). Nothing to do when every one of these is None or an int."""
+    name = _kv_name("flash_attn_with_kvcache")
+    seqlens_t = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    tensors = tuple(t for t in (seqlens_t, cache_leftpad, cache_batch_idx, block_table)
+                    if t is not None)
+    if not tensors or not should_check_values(tensors[0], CHECK_KVCACHE_VALUES):
+        return
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 0
+    num_pages = k_cache.shape[0] if paged else 0
+    b_cache = k_cache.shape[0]
+    sq = q.shape[1]
+    per_token = rotary_rows is not None and per_token_positions
+    key = tuple(None if t is None else True for t in (seqlens_t, cache_leftpad, cache_batch_idx,
+                                                       block_table))
+    params = (key, None if seqlens_t is not None else cache_seqlens, capacity, seqlen_new,
+              page_size, num_pages, b_cache, sq, rotary_rows if per_token else None)
+    if _values_checked_before("kvcache", tensors, params):
+        return
+
+    b = q.shape[0]
+    device = tensors[0].device
+    i64 = torch.int64
+    if seqlens_t is not None:
+        before = seqlens_t.to(i64)
+    else:  # an int, or None: every cache full (no append then)
+        before = torch.full((b,), capacity if cache_seqlens is None else int(cache_seqlens),
+                            dtype=i64, device=device)
+    total = before + seqlen_new
+    leftpad = cache_leftpad.to(i64) if cache_leftpad is not None else torch.zeros_like(before)
+    stats = [before.min(), total.max(), leftpad.min(), (leftpad - before).max()]
+    if cache_batch_idx is not None:
+        idx = cache_batch_idx.to(i64)
+        stats += [idx.min(), idx.max()]
+    if paged and block_table.shape[1] > 0:
+        # Pages that hold a visible key of sequence b: [leftpad // P, ceil(total / P)).
+        page = torch.arange(block_table.shape[1], device=device).unsqueeze(0)
+        used = (page >= (leftpad // page_size).unsqueeze(1)) & \
+            (page < ((total + page_size - 1) // page_size).unsqueeze(1))
+        entries = block_table.to(i64)
+        bad = used & ((entries < 0) | (entries >= num_pages))
+        stats.append(bad.sum())
+    values = torch.stack([s.to(i64) for s in stats]).tolist()
+
+    min_before, max_total, min_leftpad, max_over = values[:4]
+    rest = values[4:]
+    if min_before < 0:
+        raise FlashExtValueError(
+            f"{name}: cache_seqlens must be >= 0; got "
+            f"{_first_bad('cache_seqlens', seqlens_t, before < 0)}")
+    if max_total > capacity:
+        raise FlashExtValueError(
+            f"{name}: cache_seqlens + seqlen_new must be at most the cache capacity "
+            f"({capacity}); with seqlen_new = {seqlen_new}, got "
+            f"{_first_bad('cache_seqlens', seqlens_t, total > capacity)}. Nothing was written.")
+    if min_leftpad < 0:
+        raise FlashExtValueError(
+            f"{name}: cache_leftpad must be >= 0; got "
+            f"{_first_bad('cache_leftpad', cache_leftpad, leftpad < 0)}")
+    if max_over > 0:
+        raise FlashExtValueError(
+            f"{name}: cache_leftpad must be at most cache_seqlens (the first valid slot cannot "
+            f"lie past the last); got "
+            f"{_first_bad('cache_leftpad', cache_leftpad, leftpad > before)} with cache_seqlens "
+            f"{before.tolist()}")
+    if cache_batch_idx is not None:
+        idx_min, idx_max = rest[:2]
+        rest = rest[2:]
+        if idx_min < 0 or idx_max >= b_cache:
+            raise FlashExtValueError(
+                f"{name}: cache_batch_idx must lie in [0, batch_cache = {b_cache}); got "
+                f"{_first_bad('cache_batch_idx', cache_batch_idx, (idx < 0) | (idx >= b_cache))}")
+    if rest and rest[0] > 0:
+        where = bad.nonzero()[0].tolist()
+        raise FlashExtValueError(
+            f"{name}: block_table entries of the pages in use must lie in [0, num_pages = "
+            f"{num_pages}); got block_table[{where[0]}, {where[1]}] = "
+            f"{int(block_table[where[0], where[1]])} ({rest[0]} bad entries)")
+    if per_token and max(before.tolist()) + sq > rotary_rows:
+        raise FlashExtValueError(
+            f"{name}: with causal or local attention, query token t is rotated at position "
+            f"cache_seqlens + t, so cache_seqlens + seqlen_q ({sq}) must be at most "
+            f"rotary_cos.shape[0] ({rotary_rows}); got cache_seqlens {before.tolist()}")
+    _remember_values_checked("kvcache", tensors, params)
+
+
+def _first_bad(arg: str, t: torch.Tensor, bad: torch.Tensor) -> str:
+    """'arg[i] = value' for the first offending entry (an error path: syncs freely)."""
+    i = int(bad.nonzero()[0, 0])
+    return f"{arg}[{i}] = {int(t[i])}"

@@ -6,7 +6,8 @@
 
 Layouts: q (batch, seqlen, nheads, headdim); kv packed (batch, seqlen_k, 2, nheads_kv, headdim);
 qkv packed (batch, seqlen, 3, nheads, headdim); varlen (total_tokens, nheads, headdim) with
-int32 cu_seqlens. With ``return_attn_probs=True`` the functions return ``(out, lse, S_dmask)``:
+int32 cu_seqlens. flash_attn_with_kvcache (decoding against a KV cache, flash_ext/kvcache.py)
+is exported here too. With ``return_attn_probs=True`` the functions return ``(out, lse, S_dmask)``:
 lse is (batch, nheads, seqlen_q) or varlen (nheads, total_q). S_dmask is None without dropout;
 with dropout_p > 0 it is a float32 (batch, nheads, seqlen_q, seqlen_k) tensor (varlen:
 (batch, nheads, max_seqlen_q, max_seqlen_k), each sequence in its top-left corner) of the
@@ -29,8 +30,8 @@ Arguments as FlashAttention takes them: window_size any length-2 sequence of int
 torch integer scalars) or a 2-element integer tensor; softcap <= 0 is off. Bad input raises a
 flash_ext.FlashExtError (a RuntimeError; also a ValueError / TypeError as fits).
 
-Not supported yet (FlashExtNotImplementedError, a NotImplementedError): alibi_slopes,
-block_table (paged KV).
+Not supported yet by the functions above (FlashExtNotImplementedError, a NotImplementedError):
+alibi_slopes, block_table (paged KV); flash_attn_with_kvcache takes both.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import math
 import torch
 
 from flash_ext import _fast_args, _validation, attn_fwd, ops
+from flash_ext.kvcache import flash_attn_with_kvcache  # noqa: F401  (exported)
 from flash_ext.reference import local_mask
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 

@@ -15,6 +15,10 @@ Importing ``flash_ext._C`` registers, in C++ (csrc/ops_*.cpp):
     torch.ops.flash_ext.dropout_mask(q, rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
                             -> bool (batch, heads, seqlen_q, seqlen_k) keep mask (tests only)
     torch.ops.flash_ext.build_info() -> str
+    torch.ops.flash_ext.kvcache_append(k_cache, v_cache, k, v, ...) -> ()   (writes the caches)
+    torch.ops.flash_ext.fwd_kvcache(q, k_cache, v_cache, ...) -> (out, lse)
+                            (the two KV-cache ops: their contract is in :data:`_kvcache_append`
+                            and :data:`_fwd_kvcache` below)
 
 ``fwd`` is the one differentiable op. Its ``deterministic`` argument is ignored by the forward
 kernel: it is there so that the backward's flag is an argument of the op that the autograd graph
@@ -64,7 +68,7 @@ except ImportError as _err:  # pragma: no cover - depends on the build
         f"Original error: {_err}") from _err
 
 __all__ = ["_fwd", "_fwd_out", "_no_attention", "_bwd", "_dropout_rng_state",
-           "_dropout_mask", "build_info"]
+           "_dropout_mask", "_kvcache_append", "_fwd_kvcache", "build_info"]
 
 # The ops need 16-byte aligned rows: every stride but the last, and the storage offset, a
 # multiple of 8 elements (fp16/bf16); and the head dim a multiple of 8.
@@ -148,6 +152,28 @@ def _dropout_mask_fake(q, rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p
     return q.new_empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool)
 
 
+# The KV-cache ops (docs/design-flash-decoding.md 3.2). A build older than them has neither:
+# then flash_attn_with_kvcache raises a clear error (:func:`_kvcache_ops_missing`) instead of
+# the import failing.
+_HAS_KVCACHE_OPS = hasattr(torch.ops.flash_ext, "kvcache_append") and \
+    hasattr(torch.ops.flash_ext, "fwd_kvcache")
+
+if _HAS_KVCACHE_OPS:
+    @torch.library.register_fake("flash_ext::kvcache_append")
+    def _kvcache_append_fake(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                             cache_seqlen, cache_batch_idx, cache_leftpad, block_table,
+                             rotary_interleaved):
+        return None
+
+    @torch.library.register_fake("flash_ext::fwd_kvcache")
+    def _fwd_kvcache_fake(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens,
+                          cache_seqlen, seqlen_new, cache_batch_idx, cache_leftpad, block_table,
+                          alibi_slopes, softmax_scale, causal, window_left, window_right,
+                          softcap, rotary_interleaved, num_splits):
+        b, sq, hq, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------------------------
 # Calls with nothing to compute
 # ----------------------------------------------------------------------------------------------
@@ -192,6 +218,80 @@ _bwd = torch.ops.flash_ext.bwd.default
 """torch.ops.flash_ext.bwd: (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
 dropout_p=0.0, rng_state=None) -> (dq, dk, dv), new contiguous tensors."""
+
+
+def _kvcache_ops_missing(*args, **kwargs):
+    raise RuntimeError(
+        "flash_ext: this build of flash_ext._C has no KV-cache ops (flash_ext::kvcache_append, "
+        "flash_ext::fwd_kvcache): it predates flash_attn_with_kvcache. Rebuild the extension "
+        "(pip install .) from this source tree.")
+
+
+_kvcache_append = (torch.ops.flash_ext.kvcache_append.default if _HAS_KVCACHE_OPS
+                   else _kvcache_ops_missing)
+"""torch.ops.flash_ext.kvcache_append: (k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_interleaved)
+-> None. Writes the new tokens into the caches in place (the op's only effect).
+
+The contract (flash_ext.flash_attn_with_kvcache checks every rule below before the call; the C++
+op checks its own contract again; b = batch, P = page size):
+
+- k_cache, v_cache: contiguous caches (b_cache, s_cache, hkv, d), or paged (num_pages, P, hkv, d)
+  when block_table is given; one shape, strides of their own, last dim contiguous, rows 16-byte
+  aligned, q's dtype. Capacity per sequence: s_cache, or block_table.size(1) * P.
+- k, v: (b, s_new, hkv, d), s_new >= 1, last dim contiguous, rows 16-byte aligned.
+- Where sequence b's new token t goes: slot n = L0[b] + t, where L0[b] (the tokens already in
+  the cache) is cache_seqlens[b] when that int32 (b,) tensor is given (then cache_seqlen is -1),
+  else cache_seqlen (an int >= 0, the same for every sequence; never -1 here: an append needs
+  the lengths). Slot n of sequence b is row n of k_cache[cache_batch_idx[b]] (or
+  k_cache[b] without cache_batch_idx), or with block_table row n % P of page
+  block_table[b, n // P]. L0[b] + s_new <= capacity.
+- rotary_cos, rotary_sin (both or neither): (seqlen_ro, rd / 2) in q's dtype, rows contiguous
+  (the row stride is honoured), rd = 2 * rotary_cos.size(1), rd % 16 == 0, rd <= d, seqlen_ro
+  >= capacity. Then the first rd columns of k's token t are rotated at position L0[b] + t in
+  fp32 and rounded to the cache dtype; rotary_interleaved pairs columns (2i, 2i+1), else (i, i +
+  rd / 2), both with cos/sin column i. v is copied as is.
+- cache_leftpad (int32 (b,) or None): not needed by the append (slots and rotary positions are
+  absolute); passed so that the op sees the call's whole layout.
+- cache_batch_idx is never given together with block_table.
+"""
+
+_fwd_kvcache = (torch.ops.flash_ext.fwd_kvcache.default if _HAS_KVCACHE_OPS
+                else _kvcache_ops_missing)
+"""torch.ops.flash_ext.fwd_kvcache: (q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens,
+cache_seqlen, seqlen_new, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits) ->
+(out, lse). Reads the caches (after kvcache_append, when there was one); no autograd.
+
+The contract, as for :data:`_kvcache_append` (layouts of the caches, cache_batch_idx,
+block_table, rotary tables), plus:
+
+- q: (b, sq, hq, d), b >= 1, sq >= 1, hq a multiple of hkv, d a multiple of 8 and <= 256, last
+  dim contiguous, rows 16-byte aligned.
+- Keys of sequence b: L[b] = L0[b] + seqlen_new slots, with L0[b] = cache_seqlens[b] (int32
+  (b,) tensor given; then cache_seqlen is -1), or cache_seqlen (>= 0) when the tensor is None,
+  or the capacity when cache_seqlens is None and cache_seqlen is -1 (then seqlen_new is 0).
+  seqlen_new is the number of tokens kvcache_append has just written (0 if none): the
+  cache_seqlens tensor holds the lengths before the append and is not updated by either op.
+  Visible are the slots [cache_leftpad[b], L[b]) (cache_leftpad None: from 0). Key slot j is
+  addressed as in the append.
+- rotary_cos, rotary_sin given: the first rd columns of q are rotated (fp32, rounded to q's
+  dtype, pairing by rotary_interleaved) at position L0[b] + t for query token t when causal
+  or window_left >= 0 or window_right >= 0, else at L0[b] for every token. Positions are
+  absolute slot indices (cache_leftpad does not shift them); L0[b] + sq <= seqlen_ro then.
+- Scores of query token t (head h) and key slot j: s = softmax_scale * q.k; then, if softcap >
+  0, s = softcap * tanh(s / softcap); then, with alibi_slopes (fp32 (hq,) or (b, hq)),
+  s -= slope[b, h] * |t + L[b] - sq - j|; then the mask: with window_left >= 0 keep
+  j >= t + L[b] - sq - window_left, with window_right >= 0 keep j <= t + L[b] - sq +
+  window_right (bottom-right aligned to L[b]; causal comes with window_right = 0, already
+  set by the caller).
+- softmax_scale: the final scale (the caller resolves None to 1 / sqrt(d)); softcap <= 0 is
+  off (the caller passes 0.0).
+- num_splits: 0 = chosen by the op's heuristic, N >= 1 = N splits (capped at 128); the
+  results agree within rounding for every value.
+- Returns out (b, sq, hq, d) in q's dtype and lse (b, hq, sq) float32 (natural log), both new
+  and contiguous. A query row with no visible key gets out 0 and lse -inf (never NaN).
+"""
 
 
 def _dropout_rng_state(q) -> torch.Tensor:

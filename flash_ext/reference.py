@@ -16,6 +16,10 @@ Semantics (the same as the kernels'):
 - Dropout (``dropout_mask`` given): out = (P * keep / (1 - p)) V with P the softmax above; lse
   is unchanged. The keep mask of the kernels is ``flash_ext._philox.dropout_keep_mask`` (pure
   PyTorch) or the ``flash_ext::dropout_mask`` op.
+
+:func:`kvcache_attention` is the reference of flash_ext.flash_attn_with_kvcache (append into a
+contiguous or paged cache, rotary, batch index, left padding, ALiBi), with the helpers it is
+made of (:func:`apply_rotary`, :func:`kvcache_append`, :func:`kvcache_gather`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["attention_ref", "attention_ref_varlen", "local_mask"]
+__all__ = ["attention_ref", "attention_ref_varlen", "local_mask", "apply_rotary",
+           "kvcache_append", "kvcache_gather", "kvcache_attention"]
 
 
 def local_mask(seqlen_q: int, seqlen_k: int, window_size: Sequence[int] = (-1, -1),
@@ -120,3 +125,168 @@ def attention_ref_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache (flash_ext.flash_attn_with_kvcache; docs/design-flash-decoding.md 3.1, 1.5, 4)
+# ----------------------------------------------------------------------------------------------
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of x (b, s, h, d) at integer ``positions`` (b, s): the first rd = 2 *
+    cos.shape[1] columns are rotated in float32 and rounded to x's dtype (as the kernels do);
+    the other columns are unchanged. Pairs: (2i, 2i+1) when ``interleaved``, else (i, i + rd/2)
+    (GPT-NeoX), each rotated by the angle whose cos/sin are column i of row ``position``:
+    (a, b) -> (a cos - b sin, a sin + b cos)."""
+    rd = 2 * cos.shape[1]
+    c = cos.float()[positions.long()].unsqueeze(2)  # (b, s, 1, rd/2)
+    sn = sin.float()[positions.long()].unsqueeze(2)
+    xf = x.float()
+    rot = xf[..., :rd]
+    if interleaved:
+        a, b_ = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([a * c - b_ * sn, a * sn + b_ * c], dim=-1).flatten(-2)
+    else:
+        a, b_ = rot[..., :rd // 2], rot[..., rd // 2:]
+        out = torch.cat([a * c - b_ * sn, a * sn + b_ * c], dim=-1)
+    return torch.cat([out, xf[..., rd:]], dim=-1).to(x.dtype)
+
+
+def _slot_rows(n: torch.Tensor, b: int, cache: torch.Tensor, cache_batch_idx, block_table):
+    """(row along dim 0, row along dim 1) of sequence b's slots n in a contiguous or paged
+    cache."""
+    if block_table is not None:
+        page_size = cache.shape[1]
+        return block_table[b].long()[n // page_size], n % page_size
+    row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
+    return torch.full_like(n, row), n
+
+
+def _lengths(cache_seqlens, b: int, capacity: int) -> list:
+    """Each sequence's tokens in the cache, as Python ints (None: the capacity)."""
+    if cache_seqlens is None:
+        return [capacity] * b
+    if isinstance(cache_seqlens, torch.Tensor):
+        return [int(x) for x in cache_seqlens.tolist()]
+    return [int(cache_seqlens)] * b
+
+
+def _capacity(k_cache: torch.Tensor, block_table) -> int:
+    if block_table is not None:
+        return block_table.shape[1] * k_cache.shape[1]
+    return k_cache.shape[1]
+
+
+def kvcache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, cache_seqlens, *, rotary_cos=None, rotary_sin=None,
+                   rotary_interleaved: bool = True, cache_batch_idx=None,
+                   block_table=None) -> None:
+    """Writes new tokens k, v (b, s_new, hkv, d) IN PLACE into the caches at slots
+    cache_seqlens[b] + t (contiguous rows through cache_batch_idx, or pages through
+    block_table); k rotated at those positions first when rotary_cos/sin are given."""
+    b, s_new = k.shape[0], k.shape[1]
+    lens = _lengths(cache_seqlens, b, _capacity(k_cache, block_table))
+    if rotary_cos is not None:
+        pos = torch.tensor(lens, device=k.device).unsqueeze(1) + torch.arange(s_new,
+                                                                               device=k.device)
+        k = apply_rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
+    for i in range(b):
+        n = torch.arange(lens[i], lens[i] + s_new, device=k.device)
+        r0, r1 = _slot_rows(n, i, k_cache, cache_batch_idx, block_table)
+        k_cache[r0, r1] = k[i].to(k_cache.dtype)
+        v_cache[r0, r1] = v[i].to(v_cache.dtype)
+
+
+def kvcache_gather(cache: torch.Tensor, b: int, length: int, cache_batch_idx=None,
+                   block_table=None) -> torch.Tensor:
+    """Slots [0, length) of sequence b as one (length, hkv, d) tensor (a copy)."""
+    n = torch.arange(length, device=cache.device)
+    r0, r1 = _slot_rows(n, b, cache, cache_batch_idx, block_table)
+    return cache[r0, r1]
+
+
+def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                      rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                      softmax_scale: Optional[float] = None, causal: bool = False,
+                      window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                      rotary_interleaved: bool = True, alibi_slopes=None,
+                      upcast: bool = True):
+    """The reference of flash_ext.flash_attn_with_kvcache (same arguments). Works on clones of
+    the caches and returns ``(out, lse, k_cache_new, v_cache_new)``: out (b, sq, hq, d) (float32
+    with upcast, else q's dtype), lse (b, hq, sq) float32, and the caches after the append.
+
+    Semantics (docs/design-flash-decoding.md 3.1, 1.5):
+
+    - k, v (b, s_new, hkv, d) are appended at slots cache_seqlens[b] + t; k rotated first
+      (float32, rounded to the cache dtype). Sequence b then has L_b = cache_seqlens[b] + s_new
+      keys (cache_seqlens None: the capacity), of which slots [cache_leftpad[b], L_b) are
+      visible. Slots are absolute positions: left padding shifts neither the rotary positions
+      nor the masks.
+    - q is rotated (float32, rounded to q's dtype) at position cache_seqlens[b] + t when
+      causal or local, else at cache_seqlens[b] for every query token.
+    - Scores of query t and key slot j: softmax_scale q.k; softcap; then ALiBi (slopes (hq,) or
+      (b, hq)): - slope |t + L_b - sq - j| (exact, under causal masks too); then the mask:
+      bottom-right aligned to L_b, query t sees j iff j >= t + L_b - sq - window_left (left
+      >= 0) and j <= t + L_b - sq + window_right (right >= 0; causal sets it to 0).
+    - A query row that sees no key: out 0, lse -inf.
+
+    upcast=False computes the attention in q's dtype, as plain low-precision PyTorch would (the
+    baseline of the error criterion); the rotations are the same either way."""
+    b, sq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    wl, wr = (int(w) for w in window_size)
+    if causal:
+        wr = 0
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    capacity = _capacity(k_cache, block_table)
+    before = _lengths(cache_seqlens, b, capacity)
+    s_new = 0
+    if k is not None:
+        s_new = k.shape[1]
+        kvcache_append(k_cache, v_cache, k, v, cache_seqlens, rotary_cos=rotary_cos,
+                       rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                       cache_batch_idx=cache_batch_idx, block_table=block_table)
+    if rotary_cos is not None:
+        per_token = causal or wl >= 0 or wr >= 0
+        pos = torch.tensor(before, device=q.device).unsqueeze(1) + \
+            (torch.arange(sq, device=q.device) if per_token else torch.zeros(sq, dtype=torch.long,
+                                                                             device=q.device))
+        q = apply_rotary(q, rotary_cos, rotary_sin, pos, rotary_interleaved)
+
+    cdt = torch.float32 if upcast else q.dtype
+    out = torch.zeros(b, sq, hq, d, dtype=cdt, device=q.device)
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    leftpad = [0] * b if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
+    for i in range(b):
+        length = before[i] + s_new
+        kb = kvcache_gather(k_cache, i, length, cache_batch_idx, block_table).to(cdt)
+        vb = kvcache_gather(v_cache, i, length, cache_batch_idx, block_table).to(cdt)
+        kb = kb.repeat_interleave(hq // hkv, dim=1)
+        vb = vb.repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[i].to(cdt) * softmax_scale, kb)
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.float()
+        t = torch.arange(sq, device=q.device).unsqueeze(1)
+        j = torch.arange(length, device=q.device).unsqueeze(0)
+        diag = t + length - sq  # key slot on query t's bottom-right aligned diagonal
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
+            s = s - slopes.float().view(hq, 1, 1) * (diag - j).abs().float()
+        visible = j >= leftpad[i]
+        if wl >= 0:
+            visible = visible & (j >= diag - wl)
+        if wr >= 0:
+            visible = visible & (j <= diag + wr)
+        s = s.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is visible
+        safe = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
+        p = torch.exp(s - safe.unsqueeze(-1)).to(cdt)
+        out[i] = torch.einsum("hqk,khd->qhd", p, vb)
+        lse[i] = row_lse
+    return out, lse, k_cache, v_cache

@@ -42,6 +42,16 @@ SCHEMAS = (
     ("dropout_mask(Tensor q, Tensor rng_state, int batch, int heads, int seqlen_q, "
      "int seqlen_k, float dropout_p) -> Tensor", ()),
     ("build_info() -> str", ()),
+    ("kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
+     "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, int cache_seqlen, "
+     "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, "
+     "bool rotary_interleaved) -> ()", ()),
+    ("fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? rotary_cos, "
+     "Tensor? rotary_sin, Tensor? cache_seqlens, int cache_seqlen, int seqlen_new, "
+     "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, "
+     "Tensor? alibi_slopes, float softmax_scale, bool causal, int window_left, "
+     "int window_right, float softcap, bool rotary_interleaved, int num_splits) "
+     "-> (Tensor out, Tensor lse)", ()),
 )
 
 _lib = None
