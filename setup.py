@@ -65,11 +65,12 @@ def make_extension() -> CUDAExtension:
     # The torch-facing layer and the host code it calls (no kernels): csrc/ops_*.cpp register the
     # ops; api/ checks and fills params; dispatch/ and tuning/ choose what runs and how.
     host_sources = [ROOT / "csrc" / name for name in (
-        "ops_library.cpp", "ops_fwd.cpp", "ops_bwd.cpp", "ops_autograd.cpp", "ops_dropout.cpp",
+        "ops_library.cpp", "ops_fwd.cpp", "ops_bwd.cpp", "ops_autograd.cpp", "ops_dropout.cpp", "ops_kvcache.cpp",
         "api/checks.cpp", "api/errors.cpp", "api/params_fill.cpp", "api/workspace.cpp",
         "dispatch/paths.cpp", "tuning/heuristics.cpp", "tuning/overrides.cpp", "device_info.cpp",
         "sm90/tensor_map_encode.cu",  # host only: the TMA encode (needs nvcc for CUTLASS's declaration)
         "dropout_mask.cu",  # the flash_ext::dropout_mask kernel
+        "decode/kvcache_append.cu",  # the flash_ext::kvcache_append kernel
     )]
     for f in host_sources:
         if not f.is_file():
