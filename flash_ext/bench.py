@@ -5,6 +5,7 @@ process.
     python -m flash_ext.bench --quick         # bf16, seqlens 1k/4k/16k: a few minutes
     python -m flash_ext.bench --dtypes fp16 --hdims 128 --seqlens 2048,8192 --causal true
     python -m flash_ext.bench --quick --directions bwd --plot ratios.png
+    python -m flash_ext.bench --decode      # KV-cache decode: GB/s and us per call (bench_decode.py)
 
 Backends: flash_ext (attn_fwd and its autograd backward); flash_ext forced onto its
 FlashAttention-2 kernels (ext_sm80); torch.nn.functional.scaled_dot_product_attention restricted
@@ -404,6 +405,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--host-time", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the host (CPU) time of one small fwd+bwd step per backend "
                         "after the table (default: on)")
+    p.add_argument("--decode", action="store_true",
+                   help="run the decode section instead (flash_attn_with_kvcache against SDPA's "
+                        "backends at issue 26's shapes; flash_ext/bench_decode.py)")
     p.add_argument("--out", default="bench_out", help="directory for the JSON and PNG")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="where to write the PNG of the ratios (default: bench_<directions>.png "
@@ -914,6 +918,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("flash_ext.bench needs a CUDA GPU (none found)", file=sys.stderr)
         return 2
+    if args.decode:
+        from flash_ext.bench_decode import run_decode
+        run_decode(out_dir=args.out)
+        return 0
     found, missing = detect_peers(args.peers)
     backends = list(BACKEND_NAMES) + [p for p in PEER_NAMES if p in found]
     configs = make_configs(args.dtypes, args.hdims, args.seqlens, args.causal_modes,

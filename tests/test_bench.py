@@ -568,3 +568,11 @@ def test_bench_end_to_end_gpu(tmp_path, capsys):
     assert "host time per call (CPU us)" in out
     if bench.have_matplotlib():
         assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_decode_flag():
+    from flash_ext import bench
+    assert bench.parse_args(["--decode"]).decode is True
+    assert bench.parse_args([]).decode is False
+    import flash_ext.bench_decode as bd
+    assert (8, 65536) in bd.DECODE_SHAPES and bd.PAGE_SIZES == (16, 256)
