@@ -301,28 +301,47 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
   }
 }
 
-// Merges the splits of every (batch, query head, token) row: one warp per row, its lanes over the
-// columns. The parts are added in split order, so the result does not depend on timing.
+// Merges the splits of every (batch, query head, token) row: one warp per row. The lanes read the
+// splits' lse values 32 at a time (max, then weights into shared memory), then every lane adds
+// its columns of each split's part, in split order (deterministic); those loads do not depend on
+// one another, so they overlap instead of paying one L2 round trip per split.
+constexpr int kCombineWarps = 4;
+constexpr int kMaxSplits = 128;  // tuning/heuristics.cpp's cap
+
 template <int kHeadDim, typename Element>
-__global__ void __launch_bounds__(128) split_combine_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(32 * kCombineWarps) split_combine_kernel(const __grid_constant__ DecodeParams p) {
   constexpr int kCols = kHeadDim / 32;  // columns per lane
+  __shared__ float weights[kCombineWarps][kMaxSplits];
   const int64_t split_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * kCombineWarps + warp;
   if (row >= split_rows) return;
+  const int splits = min(p.num_splits, kMaxSplits);
+
   float lse_max = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) lse_max = fmaxf(lse_max, p.lse_partial[s * split_rows + row]);
+  for (int s = lane; s < splits; s += 32) lse_max = fmaxf(lse_max, p.lse_partial[s * split_rows + row]);
+  CUTE_UNROLL
+  for (int o = 16; o > 0; o /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, o));
+  float weight_sum = 0.f;
+  for (int s = lane; s < splits; s += 32) {
+    const float w = combine::lse_part_weight(p.lse_partial[s * split_rows + row], lse_max);
+    weights[warp][s] = w;
+    weight_sum += w;
+  }
+  CUTE_UNROLL
+  for (int o = 16; o > 0; o /= 2) weight_sum += __shfl_xor_sync(0xffffffff, weight_sum, o);
+  __syncwarp();
+
   float acc[kCols];
   CUTE_UNROLL
   for (int j = 0; j < kCols; ++j) acc[j] = 0.f;
-  float weight_sum = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float w = combine::lse_part_weight(p.lse_partial[s * split_rows + row], lse_max);
-    if (w == 0.f) continue;  // an empty split (or one far below the others)
-    weight_sum += w;
-    const float* part = p.o_partial + (s * split_rows + row) * kHeadDim;
+  const float* part = p.o_partial + row * kHeadDim + lane;
+  const int64_t split_stride = split_rows * kHeadDim;
+#pragma unroll 4
+  for (int s = 0; s < splits; ++s) {
+    const float w = weights[warp][s];  // 0 for an empty split, whose part is 0
     CUTE_UNROLL
-    for (int j = 0; j < kCols; ++j) acc[j] += w * part[lane + 32 * j];
+    for (int j = 0; j < kCols; ++j) acc[j] += w * part[s * split_stride + 32 * j];
   }
   const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
   const int t = int(row % p.seqlen_q);

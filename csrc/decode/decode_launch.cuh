@@ -26,10 +26,10 @@ void run_decode(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(m_blocks * p.num_splits, p.heads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
   if (p.num_splits > 1) {
-    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-    constexpr int kRowsPerCta = 4;  // one warp per row
+    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // one warp per row
     decode::split_combine_kernel<kHeadDim, Element>
-        <<<unsigned((rows + kRowsPerCta - 1) / kRowsPerCta), 32 * kRowsPerCta, 0, stream>>>(p);
+        <<<unsigned((rows + decode::kCombineWarps - 1) / decode::kCombineWarps), 32 * decode::kCombineWarps, 0,
+           stream>>>(p);
   }
 }
 

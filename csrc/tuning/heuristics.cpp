@@ -179,7 +179,7 @@ int choose_decode_splits(int requested, int64_t units, int64_t slots, int64_t ke
   if (requested > 0) return int(std::min<int64_t>(requested, kMaxSplits));
   if (units <= 0 || units * 5 >= slots * 4) return 1;  // the grid fills >= 80% of the GPU already
   const int64_t by_slots = slots / units;
-  const int64_t by_length = std::max<int64_t>(1, key_blocks / 4);
+  const int64_t by_length = std::max<int64_t>(1, key_blocks / 2);
   return int(std::max<int64_t>(1, std::min({by_slots, by_length, kMaxSplits})));
 }
 

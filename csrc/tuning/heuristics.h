@@ -107,7 +107,8 @@ BwdTile bwd_sm80_pick_tile(int kernel_head_dim);
 // without splitting (batch x KV heads x row blocks); slots: CTAs the GPU holds at once (SMs x
 // CTAs per SM); key_blocks: 64-key blocks of the cache's capacity (never device values: no sync,
 // and a captured graph stays valid as the cache fills). requested > 0 forces that many (at most
-// 128). Otherwise one wave: as many splits as fill the slots, each at least 4 key blocks long.
+// 128). Otherwise one wave: as many splits as fill the slots, each at least 2 key blocks long
+// (H100 sweep, docs/perf-notes.md: at 1 x 8k keys more, shorter splits won up to 128).
 int choose_decode_splits(int requested, int64_t units, int64_t slots, int64_t key_blocks);
 
 }  // namespace flash_ext
