@@ -159,10 +159,11 @@ def _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, 
     CUDA device (or CPU with flash_ext._FAST_PATH_ON_CPU), none requiring grad, all float16 or
     all bfloat16, 4-D with consistent shapes (batch_cache >= batch, nheads a multiple of
     nheads_k, head dim a multiple of 8 and <= 256), rows aligned (ops._is_aligned);
-    cache_seqlens a plain int or an int32 (batch,) tensor with stride 1 on that device;
-    softmax_scale None or a finite float > 0; causal, rotary_interleaved, return_softmax_lse
-    bools; window_size a tuple or list of two ints >= -1; softcap a finite float; num_splits
-    an int >= 0. Not while torch.compile traces (fake and functional tensors, SymInts)."""
+    cache_seqlens a plain int or a contiguous int32 (batch,) tensor on that device;
+    softmax_scale None or a finite float > 0; causal and rotary_interleaved bools; window_size
+    a tuple or list of two ints >= -1; softcap a finite float; num_splits an int >= 0;
+    return_softmax_lse anything (its truth value, as in the full path). Not while torch.compile
+    traces (fake and functional tensors, SymInts)."""
     if torch.compiler.is_compiling():
         return None
     tensor = torch.Tensor
@@ -221,7 +222,7 @@ def _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, 
         if not (cache_seqlens.is_cuda or cpu and cache_seqlens.is_cpu) \
                 or cache_seqlens.get_device() != device \
                 or cache_seqlens.dtype is not torch.int32 or cache_seqlens.dim() != 1 \
-                or cache_seqlens.shape[0] != b or cache_seqlens.stride(0) != 1:
+                or cache_seqlens.shape[0] != b or not cache_seqlens.is_contiguous():
             return None
         seqlens_tensor, seqlen_int = cache_seqlens, -1
     else:
@@ -248,8 +249,7 @@ def _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, 
         return None
     if type(num_splits) is not int or num_splits < 0:
         return None
-    if (rotary_interleaved is not True and rotary_interleaved is not False) \
-            or (return_softmax_lse is not True and return_softmax_lse is not False):
+    if rotary_interleaved is not True and rotary_interleaved is not False:
         return None
     # Last, as in the full path (which reads strides and offsets after all other checks).
     if not (_rows_aligned(q) and _rows_aligned(k_cache) and _rows_aligned(v_cache)):
