@@ -13,9 +13,12 @@ call leaves the caches as they were.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from flash_ext import _scalar_args, _validation, ops
+import flash_ext
+from flash_ext import _rows_aligned, _scalar_args, _validation, ops
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -91,6 +94,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     graph is captured or torch.compile traces, or with FLASH_EXT_CHECK_KVCACHE=0
     (flash_ext/_validation.py).
     """
+    if rotary_cos is None and rotary_sin is None and cache_batch_idx is None \
+            and cache_leftpad is None and block_table is None and alibi_slopes is None:
+        result = _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
+                            window_size, softcap, rotary_interleaved, num_splits,
+                            return_softmax_lse)
+        if result is not None:
+            return result
     capacity, seqlen_new = _validation.check_kvcache_inputs(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -121,6 +131,149 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         out, lse = _run_ops(*args)
     return (out, lse) if return_softmax_lse else out
+
+
+# What check_kvcache_values keys its cache entry on, for the fast path's calls: cache_seqlens
+# the only index tensor (no leftpad, batch index or pages), no rotary table.
+_SEQLENS_ONLY = (True, None, None, None)
+
+
+def _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
+               softcap, rotary_interleaved, num_splits, return_softmax_lse):
+    """The common decode call, recognised with a few inline tests and run: what the full path
+    returns, or None for anything else (nothing called then; the caller runs the full path).
+
+    Why: the full path's checks and argument handling cost more host time than the two ops'
+    dispatch (issue 26: ~35 us of a 68 us decode call on the H100 machine). Its caller has
+    already seen no rotary, cache_batch_idx, cache_leftpad, block_table or alibi_slopes.
+
+    What it must keep equal to the full path (tests/test_kvcache_fast_path.py checks it): it
+    accepts only calls that the full path's structural checks accept, applies the same value
+    check policy (a cache hit of check_kvcache_values' entry is a dict lookup and a version
+    comparison; otherwise it calls check_kvcache_values itself, which raises its errors or
+    skips as the policy says), and makes the same op calls with the same arguments (the caller's
+    tensors themselves: no copy to make, nothing to pad). It never raises but through that
+    check, before any op call.
+
+    The common call: q, k_cache, v_cache (and k, v, both or neither) plain torch.Tensor on one
+    CUDA device (or CPU with flash_ext._FAST_PATH_ON_CPU), none requiring grad, all float16 or
+    all bfloat16, 4-D with consistent shapes (batch_cache >= batch, nheads a multiple of
+    nheads_k, head dim a multiple of 8 and <= 256), rows aligned (ops._is_aligned);
+    cache_seqlens a plain int or a contiguous int32 (batch,) tensor on that device;
+    softmax_scale None or a finite float > 0; causal and rotary_interleaved bools; window_size
+    a tuple or list of two ints >= -1; softcap a finite float; num_splits an int >= 0;
+    return_softmax_lse anything (its truth value, as in the full path). Not while torch.compile
+    traces (fake and functional tensors, SymInts)."""
+    if torch.compiler.is_compiling():
+        return None
+    tensor = torch.Tensor
+    if type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor:
+        return None
+    cpu = flash_ext._FAST_PATH_ON_CPU
+    device = q.get_device()
+    if not ((q.is_cuda or cpu and q.is_cpu) and (k_cache.is_cuda or cpu and k_cache.is_cpu)
+            and (v_cache.is_cuda or cpu and v_cache.is_cpu)
+            and k_cache.get_device() == device and v_cache.get_device() == device):
+        return None
+    dtype = q.dtype
+    if (dtype is not torch.float16 and dtype is not torch.bfloat16) \
+            or k_cache.dtype is not dtype or v_cache.dtype is not dtype:
+        return None
+    if q.requires_grad or k_cache.requires_grad or v_cache.requires_grad:
+        return None
+    if q.dim() != 4 or k_cache.dim() != 4:
+        return None
+    b, sq, hq, d = q.shape
+    cache_shape = k_cache.shape
+    b_cache, capacity, hkv, d_cache = cache_shape
+    if v_cache.shape != cache_shape or d_cache != d or d % 8 or d > _validation.MAX_HEADDIM \
+            or d < 1 or b < 1 or sq < 1 or hq < 1 or hkv < 1 or hq % hkv or b_cache < b:
+        return None
+
+    # The new tokens
+    if k is None:
+        if v is not None:
+            return None
+        seqlen_new = 0
+    else:
+        if type(k) is not tensor or type(v) is not tensor:
+            return None
+        if not ((k.is_cuda or cpu and k.is_cpu) and (v.is_cuda or cpu and v.is_cpu)
+                and k.get_device() == device and v.get_device() == device):
+            return None
+        if k.dtype is not dtype or v.dtype is not dtype or k.requires_grad or v.requires_grad:
+            return None
+        if k.dim() != 4:
+            return None
+        new_shape = k.shape
+        bk, seqlen_new, hk, dk = new_shape
+        if v.shape != new_shape or bk != b or hk != hkv or dk != d or sq > capacity \
+                or seqlen_new > capacity:
+            return None
+        if not (_rows_aligned(k) and _rows_aligned(v)):
+            return None
+
+    # The lengths already in the caches
+    if type(cache_seqlens) is int:
+        if cache_seqlens < 0 or cache_seqlens + seqlen_new > capacity:
+            return None
+        seqlens_tensor, seqlen_int = None, cache_seqlens
+    elif type(cache_seqlens) is tensor:
+        if not (cache_seqlens.is_cuda or cpu and cache_seqlens.is_cpu) \
+                or cache_seqlens.get_device() != device \
+                or cache_seqlens.dtype is not torch.int32 or cache_seqlens.dim() != 1 \
+                or cache_seqlens.shape[0] != b or not cache_seqlens.is_contiguous():
+            return None
+        seqlens_tensor, seqlen_int = cache_seqlens, -1
+    else:
+        return None
+
+    # Plain Python scalars only (numpy scalars, SymInts, tensors, ... take the full path).
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif type(softmax_scale) is float and 0.0 < softmax_scale < math.inf:
+        scale = softmax_scale
+    else:
+        return None
+    if type(softcap) is not float or not -math.inf < softcap < math.inf:
+        return None
+    if (type(window_size) is not tuple and type(window_size) is not list) \
+            or len(window_size) != 2:
+        return None
+    left, right = window_size
+    if type(left) is not int or type(right) is not int or left < -1 or right < -1:
+        return None
+    if causal is True:
+        right = 0
+    elif causal is not False:
+        return None
+    if type(num_splits) is not int or num_splits < 0:
+        return None
+    if rotary_interleaved is not True and rotary_interleaved is not False:
+        return None
+    # Last, as in the full path (which reads strides and offsets after all other checks).
+    if not (_rows_aligned(q) and _rows_aligned(k_cache) and _rows_aligned(v_cache)):
+        return None
+
+    if seqlens_tensor is not None:
+        # check_kvcache_values' policy: a hit of its cache entry (the same tensor, version and
+        # parameters) means checked; anything else is left to it (it checks, or skips during
+        # capture, with FLASH_EXT_CHECK_KVCACHE=0, ..., and raises for bad values).
+        params = (_SEQLENS_ONLY, None, capacity, seqlen_new, 0, 0, b_cache, sq, None)
+        entry = _validation._CHECKED.get(("kvcache", id(seqlens_tensor)))
+        if entry is None or entry[0][0]() is not seqlens_tensor or entry[2] != params \
+                or entry[1][0] != seqlens_tensor._version:
+            _validation.check_kvcache_values(
+                q, k_cache, seqlens_tensor, None, None, None, capacity, seqlen_new, None,
+                left >= 0 or right >= 0)
+
+    if seqlen_new > 0:
+        ops._kvcache_append(k_cache, v_cache, k, v, None, None, seqlens_tensor, seqlen_int,
+                            None, None, None, rotary_interleaved)
+    result = ops._fwd_kvcache(q, k_cache, v_cache, None, None, seqlens_tensor, seqlen_int,
+                              seqlen_new, None, None, None, None, scale, causal, left, right,
+                              softcap if softcap > 0.0 else 0.0, rotary_interleaved, num_splits)
+    return result if return_softmax_lse else result[0]
 
 
 def _run_ops(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
