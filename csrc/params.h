@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/flashmask.h"
+
 namespace flash_ext {
 
 struct FwdParams {
@@ -94,6 +96,12 @@ struct FwdParams {
   alignas(8) int sm90_work_end;
   alignas(8) int* sm90_sk_count;
   float* sm90_sk_partial;
+
+  // FlashMask (common/flashmask.h): column-wise interval masks on top of causal (has_window with
+  // window_right = 0) or no mask. fm holds the normalized bounds and the key-block summaries made
+  // for this direction's kBlockN. false / zero for every other call.
+  alignas(8) bool has_flashmask;
+  FlashMaskView fm;
 #ifdef FLASH_EXT_SM90_TRACE
   // The timeline buffer of a trace build (sm90/fwd_trace.h; nullptr: no trace). Only in builds
   // with FLASH_EXT_SM90_TRACE=1, which setup.py defines for every file alike.

@@ -1,0 +1,81 @@
+// FlashMask (docs/design-flashmask.md): column-wise interval masks. For key column j the caller
+// gives query-row bounds; the kernels read them in a normalized form, two intervals per column,
+//     row i of column j is masked  iff  ls <= i < le  or  us <= i < ue   (plus the causal rule),
+// stored as int4 (ls, le - ls, us, ue - us) so that each test is one unsigned compare. An empty
+// interval is (R, 0) with R = seqlen_q rounded up to a multiple of 128 (>= every block's end).
+//
+// Per key block of the consuming kernel's kBlockN, a summary of its columns (two int4):
+//     skip half: (max ls, min le, max us, min ue)     full half: (min ls, max le, min us, max ue)
+// from which a (query block, key block) pair is classified without reading the columns
+// (fm_classify). Columns past the end of a sequence (padding) are (0, R, R, 0): masked in every
+// row, so a block holding them is never "full".
+//
+// Layout of both arrays (written by csrc/flashmask/flashmask_summary.cu, read by the kernels),
+// mask head g, batch row b, column j / key block n:
+//     nb [g * nb_head_stride  + col0(b) + j]          col0(b) = varlen ? cu_k[b] + 128 b : b * sk_pad
+//     kbs[2 * (g * kbs_head_stride + blk0(b) + n) + {0: skip half, 1: full half}]
+//                                                     blk0(b) = varlen ? cu_k[b] / block_n + b
+//                                                                      : b * blocks_per_batch
+// sk_pad = seqlen_k rounded up to 128 (non-varlen); blocks_per_batch = sk_pad / block_n. In the
+// varlen layout each sequence is followed by >= 128 padding columns and >= 1 spare block slot,
+// so no scan over the batch is needed. Nothing here is larger than O(seqlen).
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FLASH_EXT_HD __host__ __device__ __forceinline__
+#else
+#define FLASH_EXT_HD inline
+#include <vector_types.h>
+#endif
+
+namespace flash_ext {
+
+// What FwdParams / BwdParams carry for a FlashMask call (p.has_flashmask).
+struct FlashMaskView {
+  const int4* nb;          // normalized bounds, one int4 per column
+  const int4* kbs;         // key-block summaries, two int4 per block (skip half, full half)
+  int64_t nb_head_stride;  // int4 entries per mask head
+  int64_t kbs_head_stride; // summary pairs per mask head
+  int sk_pad;              // non-varlen: columns per batch row in nb (multiple of 128)
+  int blocks_per_batch;    // non-varlen: summary pairs per batch row
+  int block_n;             // the key-block size the summaries were made for
+  int group;               // query heads per mask head: mask head = query head / group
+  int empty_row;           // R: the start of an empty interval
+};
+
+enum FmBlockClass : int { kFmSkip = 0, kFmFull = 1, kFmPartial = 2 };
+
+// Summary layout offsets (see the header comment).
+FLASH_EXT_HD int64_t fm_col0(const FlashMaskView& v, const int* cu_seqlens_k, int batch) {
+  return cu_seqlens_k != nullptr ? int64_t(cu_seqlens_k[batch]) + 128 * int64_t(batch)
+                                 : int64_t(batch) * v.sk_pad;
+}
+FLASH_EXT_HD int64_t fm_blk0(const FlashMaskView& v, const int* cu_seqlens_k, int batch) {
+  return cu_seqlens_k != nullptr ? int64_t(cu_seqlens_k[batch] / v.block_n) + batch
+                                 : int64_t(batch) * v.blocks_per_batch;
+}
+
+// Class of the pair (query rows [r0, r1), a key block with summary halves `skip` / `full`) by the
+// intervals alone (the caller adds causal and the seqlen_k edge). Sufficient tests, conservative
+// towards kFmPartial: "skip" implies every entry is masked, "full" that none is.
+FLASH_EXT_HD int fm_classify(int4 skip, int4 full, int r0, int r1) {
+  // skip: x = ls_max, y = le_min, z = us_max, w = ue_min
+  const bool lt_covers = skip.x <= r0 && skip.y >= r1;
+  const bool ut_covers = skip.z <= r0 && skip.w >= r1;
+  const bool both_cover = skip.z <= r0 && skip.x <= skip.w && skip.y >= r1;  // UT then LT, touching
+  if (lt_covers || ut_covers || both_cover) return kFmSkip;
+  // full: x = ls_min, y = le_max, z = us_min, w = ue_max
+  const bool lt_clear = full.x >= r1 || full.y <= r0;
+  const bool ut_clear = full.z >= r1 || full.w <= r0;
+  return lt_clear && ut_clear ? kFmFull : kFmPartial;
+}
+
+// True when row `row` of the column whose normalized bounds are `b` is masked.
+FLASH_EXT_HD bool fm_masked(int4 b, int row) {
+  return unsigned(row - b.x) < unsigned(b.y) || unsigned(row - b.z) < unsigned(b.w);
+}
+
+}  // namespace flash_ext
+
+#undef FLASH_EXT_HD
