@@ -118,7 +118,8 @@ def nccl_worker(rank, world, init_file, seqlen, dtype_name):
             got = _run_ring(q, k, v, dout, world, rank, layout, kwargs)
 
             with torch.no_grad():
-                sh = [[cp.shard(t, world, r, layout) for r in range(world)] for t in (q, k, v)]
+                sh = [[cp.shard(t, world, r, layout).contiguous() for r in range(world)]
+                      for t in (q, k, v)]
                 outs, lses = cp.emulated_ring_forward(*sh, layout=layout, **kwargs)
             assert torch.equal(got[0], outs[rank]), f"case {n}: out differs from the emulation"
             assert torch.equal(got[1], lses[rank]), f"case {n}: lse differs from the emulation"

@@ -117,6 +117,7 @@ def test_plan_block_matches_the_global_mask():
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, -1)),
+                                           (False, (-1, 1)),
                                            (False, (3, 9))])
 def test_step_plans_cover_the_mask(world, layout, causal, window):
     """Over all steps, a rank's calls compute exactly its rows of the full mask, each pair
