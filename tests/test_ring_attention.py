@@ -280,3 +280,45 @@ def test_ring_argument_errors():
         emulate([q], [q], [q], window_size=(-2, 0), backend=ReferenceBackend())
     with pytest.raises(FlashExtValueError, match="one q, k and v shard"):
         emulate([q, q], [q], [q], backend=ReferenceBackend())
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile around the ring
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def single_rank_group():
+    """A one-process gloo group (the ring with world = 1: no communication)."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}",
+                                rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def test_compile_breaks_the_graph_at_the_ring(single_rank_group):
+    """torch.compile of a block that calls the ring: the ring runs eagerly (one graph break),
+    the result and the gradients equal the eager ones."""
+    backend = ReferenceBackend()
+
+    def block(x, w):
+        h = torch.tanh(x @ w).view(1, 8, 2, 4)
+        out = cp.ring_flash_attn_func(h, h, h, causal=True, backend=backend)
+        return (out.flatten(2) @ w.T).square().sum()
+
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 8, 8), torch.randn(8, 8, requires_grad=True)
+    eager = block(x, w)
+    (g_eager,) = torch.autograd.grad(eager, w)
+    explain = torch._dynamo.explain(block)(x, w)
+    assert explain.graph_break_count >= 1
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="eager")(x, w)
+    (g_compiled,) = torch.autograd.grad(compiled, w)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(g_compiled, g_eager)
