@@ -322,3 +322,95 @@ def test_compile_breaks_the_graph_at_the_ring(single_rank_group):
     (g_compiled,) = torch.autograd.grad(compiled, w)
     torch.testing.assert_close(compiled, eager)
     torch.testing.assert_close(g_compiled, g_eager)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed documents (varlen)
+# ----------------------------------------------------------------------------------------------
+
+def _doc_lengths(world, layout):
+    unit = 2 * world if layout == "zigzag" else world
+    return [2 * unit, unit, 0, 3 * unit, unit]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_varlen_shard_gather_round_trip(world, layout):
+    lens = _doc_lengths(world, layout)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    x = torch.randn(int(cu[-1]), 3, 2)
+    shards = [cp.shard_varlen(x, cu, world, r, layout) for r in range(world)]
+    assert all(s.shape[0] == int(cu[-1]) // world for s in shards)
+    # Each document's shard is its own shard().
+    r = world - 1
+    off = 0
+    for a, n in zip(cu.tolist(), lens):
+        torch.testing.assert_close(shards[r][off:off + n // world],
+                                   cp.shard(x[a:a + n], world, r, layout, dim=0))
+        off += n // world
+    assert torch.equal(cp.gather_varlen(shards, cu, layout), x)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (True, (3, -1), 0.0), (False, (2, 5), 8.0)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
+def test_emulated_varlen_ring_matches_full_attention(world, layout, causal, window, softcap,
+                                                     hq, hkv):
+    from flash_ext.reference import attention_ref_varlen
+    torch.manual_seed(world)
+    lens = _doc_lengths(world, layout)
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    total, d = int(cu[-1]), 8
+    q, k, v = torch.randn(total, hq, d), torch.randn(total, hkv, d), torch.randn(total, hkv, d)
+    dout = torch.randn(total, hq, d)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = attention_ref_varlen(qr, kr, vr, cu, cu, **kw)
+    ref_out.backward(dout)
+
+    def sh(t):
+        return [cp.shard_varlen(t, cu, world, r, layout) for r in range(world)]
+    backend = ReferenceBackend()
+    local_cu = cu // world
+    outs, lses = cp.emulated_ring_forward(sh(q), sh(k), sh(v), layout=layout, cu_seqlens=local_cu,
+                                          backend=backend, **kw)
+    dqs, dks, dvs = cp.emulated_ring_backward(sh(dout), sh(q), sh(k), sh(v), outs, lses,
+                                              layout=layout, cu_seqlens=local_cu,
+                                              backend=backend, **kw)
+    tol = dict(atol=2e-5, rtol=2e-5)
+
+    def full(shards, dim=0):
+        return cp.gather_varlen(shards, cu, layout, dim)
+    torch.testing.assert_close(full(outs), ref_out.detach(), **tol)
+    torch.testing.assert_close(full(lses, 1), ref_lse, **tol)
+    torch.testing.assert_close(full(dqs), qr.grad, **tol)
+    torch.testing.assert_close(full(dks), kr.grad, **tol)
+    torch.testing.assert_close(full(dvs), vr.grad, **tol)
+
+
+def test_varlen_zigzag_causal_one_call_per_step():
+    """Zigzag causal over packed documents: one varlen call per step; the diagonal step takes
+    the shards as they are (no gather)."""
+    world, lens = 4, [16, 8, 24]
+    plans = cp.varlen_step_plans([n // world for n in lens], "zigzag", world, 1, True, (-1, -1),
+                                 "cpu")
+    assert all(len(p) == 1 for p in plans)
+    diag = plans[0][0]
+    assert diag.q_index is None and diag.k_index is None
+    assert (diag.window_left, diag.window_right) == (-1, 0)
+    assert diag.cu_q.tolist() == [0, 4, 6, 12]
+    src0 = plans[1][0]  # key shard of rank 0 < 1: every query, each document's first key half
+    assert src0.q_index is None and src0.k_index.tolist() == [0, 1, 4, 6, 7, 8]
+
+
+def test_varlen_argument_errors():
+    q = torch.zeros(8, 2, 8)
+    with pytest.raises(FlashExtValueError, match="even"):
+        cp.emulated_ring_forward([q], [q], [q], cu_seqlens=[0, 3, 8], backend=ReferenceBackend())
+    with pytest.raises(FlashExtValueError, match="end at"):
+        cp.emulated_ring_forward([q], [q], [q], cu_seqlens=[0, 4, 6], backend=ReferenceBackend())
+    with pytest.raises(FlashExtValueError, match="3-D"):
+        cp.emulated_ring_forward([q[None]], [q], [q], cu_seqlens=[0, 8],
+                                 backend=ReferenceBackend())

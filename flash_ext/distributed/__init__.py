@@ -6,13 +6,16 @@ load-balanced causal "zigzag" layout). See docs/context-parallel.md.
 """
 
 from flash_ext.distributed.layout import (LAYOUTS, contiguous_gather, contiguous_shard, gather,
-                                          shard, shard_segments, zigzag_gather, zigzag_shard)
+                                          gather_varlen, shard, shard_segments, shard_varlen,
+                                          zigzag_gather, zigzag_shard)
 from flash_ext.distributed.ring import (emulated_ring_backward, emulated_ring_forward,
-                                        ring_flash_attn_func, step_plans)
+                                        ring_flash_attn_func, ring_flash_attn_varlen_func,
+                                        step_plans, varlen_step_plans)
 from flash_ext.distributed.ring_steps import (BlockCall, FlashBackend, ReferenceBackend,
                                               merge_partials, plan_block, plan_step)
 
 __all__ = ["LAYOUTS", "zigzag_shard", "zigzag_gather", "contiguous_shard", "contiguous_gather",
-           "shard", "gather", "shard_segments", "ring_flash_attn_func", "emulated_ring_forward",
-           "emulated_ring_backward", "step_plans", "BlockCall", "FlashBackend",
+           "shard", "gather", "shard_segments", "shard_varlen", "gather_varlen",
+           "ring_flash_attn_func", "ring_flash_attn_varlen_func", "emulated_ring_forward",
+           "emulated_ring_backward", "step_plans", "varlen_step_plans", "BlockCall", "FlashBackend",
            "ReferenceBackend", "merge_partials", "plan_block", "plan_step"]

@@ -23,7 +23,8 @@ import torch
 from flash_ext.errors import FlashExtValueError
 
 __all__ = ["LAYOUTS", "zigzag_shard", "zigzag_gather", "contiguous_shard",
-           "contiguous_gather", "shard", "gather", "shard_segments"]
+           "contiguous_gather", "shard", "gather", "shard_segments", "shard_varlen",
+           "gather_varlen"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -46,6 +47,8 @@ def _chunks(x: torch.Tensor, n: int, dim: int, what: str) -> tuple:
         raise FlashExtValueError(
             f"{what}: the sequence length along dim {dim} ({length}) must be a multiple of "
             f"{n}")
+    if length == 0:
+        return tuple(x.narrow(dim, 0, 0) for _ in range(n))
     return torch.split(x, length // n, dim=dim)
 
 
@@ -112,3 +115,39 @@ def shard_segments(layout: str, local_len: int, world: int, rank: int) -> tuple:
             f"zigzag layout: the local sequence length ({local_len}) must be even (two chunks)")
     c = local_len // 2
     return ((rank * c, c), ((2 * world - 1 - rank) * c, c))
+
+
+def _doc_bounds(cu_seqlens) -> list:
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    cu = [int(x) for x in cu]
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise FlashExtValueError(f"cu_seqlens must start at 0 and not decrease, got {cu}")
+    return cu
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens, world: int, rank: int, layout: str = "zigzag",
+                 dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s shard of packed documents: every document [cu_seqlens[i],
+    cu_seqlens[i+1]) along ``dim`` is sharded on its own (:func:`shard`), the shards packed in
+    document order. Each document's length must be a multiple of ``2 * world`` (zigzag) or
+    ``world``. The local cu_seqlens are ``cu_seqlens // world``."""
+    cu = _doc_bounds(cu_seqlens)
+    if cu[-1] != x.shape[dim]:
+        raise FlashExtValueError(f"shard_varlen: cu_seqlens ends at {cu[-1]}, the tensor has "
+                                 f"{x.shape[dim]} tokens along dim {dim}")
+    parts = [shard(x.narrow(dim, a, b - a), world, rank, layout, dim)
+             for a, b in zip(cu, cu[1:])]
+    return torch.cat(parts, dim=dim) if parts else x.narrow(dim, 0, 0)
+
+
+def gather_varlen(shards: Sequence[torch.Tensor], cu_seqlens, layout: str = "zigzag",
+                  dim: int = 0) -> torch.Tensor:
+    """The packed documents from every rank's :func:`shard_varlen` shard; ``cu_seqlens`` are
+    the full (global) cumulative lengths."""
+    cu = _doc_bounds(cu_seqlens)
+    world = len(shards)
+    docs = []
+    for a, b in zip(cu, cu[1:]):
+        m = (b - a) // world
+        docs.append(gather([s.narrow(dim, a // world, m) for s in shards], layout, dim))
+    return torch.cat(docs, dim=dim) if docs else shards[0].narrow(dim, 0, 0)

@@ -25,10 +25,12 @@ import torch
 from flash_ext.distributed import layout as _layout
 from flash_ext.distributed.ring_steps import (FlashBackend, backward_step, forward_step,
                                               plan_step)
+from flash_ext.distributed.ring_steps_varlen import (backward_step_varlen, forward_step_varlen,
+                                                     plan_varlen_step)
 from flash_ext.errors import FlashExtValueError
 
-__all__ = ["ring_flash_attn_func", "emulated_ring_forward", "emulated_ring_backward",
-           "step_plans"]
+__all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "emulated_ring_forward",
+           "emulated_ring_backward", "step_plans", "varlen_step_plans"]
 
 
 def step_plans(layout: str, local_len: int, world: int, rank: int, causal: bool,
@@ -39,6 +41,44 @@ def step_plans(layout: str, local_len: int, world: int, rank: int, causal: bool,
     return [plan_step(mine, _layout.shard_segments(layout, local_len, world,
                                                    (rank - i) % world), causal, window_size)
             for i in range(world)]
+
+
+def varlen_step_plans(local_lengths, layout: str, world: int, rank: int, causal: bool,
+                      window_size: Sequence[int], device) -> list:
+    """:func:`step_plans` for packed documents (``local_lengths``: each document's local
+    length): per step, a list of ring_steps_varlen.VarlenCall."""
+    return [plan_varlen_step(local_lengths, layout, world, rank, (rank - i) % world, causal,
+                             window_size, device) for i in range(world)]
+
+
+def _local_lengths(cu_seqlens, total: int, layout: str) -> list:
+    """Each document's local length from the local cu_seqlens (a host sync if on the GPU)."""
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    cu = [int(x) for x in cu]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        raise FlashExtValueError(
+            f"ring attention: cu_seqlens must start at 0, not decrease and end at the local "
+            f"token count ({total}), got {cu}")
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if layout == "zigzag" and any(n % 2 for n in lengths):
+        raise FlashExtValueError(
+            f"zigzag layout: every document's local length must be even, got {lengths}")
+    return lengths
+
+
+def _check_varlen(q, k, v, cu_seqlens, layout, window_size, softcap, softmax_scale) -> tuple:
+    """:func:`_check` for (total, heads, d) tensors; returns (local lengths, window,
+    softmax_scale, softcap)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise FlashExtValueError(
+                f"varlen ring attention: {name} must be a 3-D (total, heads, headdim) tensor, "
+                f"got {getattr(t, 'shape', type(t))}")
+    window, scale, softcap = _check(q[None], k[None], v[None], "contiguous", window_size,
+                                    softcap, softmax_scale)
+    if layout not in _layout.LAYOUTS:
+        raise FlashExtValueError(f"layout must be one of {_layout.LAYOUTS}, got {layout!r}")
+    return _local_lengths(cu_seqlens, q.shape[0], layout), window, scale, softcap
 
 
 def _check(q, k, v, layout, window_size, softcap, softmax_scale) -> tuple:
@@ -80,39 +120,39 @@ def _check(q, k, v, layout, window_size, softcap, softmax_scale) -> tuple:
 def emulated_ring_forward(q_shards, k_shards, v_shards, *, causal: bool = False,
                           softmax_scale: Optional[float] = None,
                           window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                          layout: str = "zigzag", backend=None) -> tuple:
+                          layout: str = "zigzag", cu_seqlens=None, backend=None) -> tuple:
     """The ring's forward for ``len(q_shards)`` ranks in one process (``q_shards[r]`` is rank
-    r's shard). Returns (outs, lses): per rank, out in q's dtype and lse float32 (b, h, s)."""
+    r's shard). Returns (outs, lses): per rank, out in q's dtype and lse float32 (b, h, s).
+    With ``cu_seqlens`` (the local cumulative document lengths, the same on every rank): packed
+    documents, shards (total, h, d) as layout.shard_varlen makes them, lse (h, total)."""
     world = len(q_shards)
     if not (world == len(k_shards) == len(v_shards)) or world < 1:
         raise FlashExtValueError("emulated ring: give one q, k and v shard per rank")
     backend = backend or FlashBackend()
-    window, scale, softcap = _check(q_shards[0], k_shards[0], v_shards[0], layout, window_size,
-                                    softcap, softmax_scale)
-    local = q_shards[0].shape[1]
-    plans = [step_plans(layout, local, world, r, causal, window) for r in range(world)]
+    plans, scale, softcap, step, _ = _emulated_plans(q_shards, k_shards, v_shards, causal,
+                                                     softmax_scale, window_size, softcap,
+                                                     layout, cu_seqlens)
     accs = [_new_accumulators(q) for q in q_shards]
     for i in range(world):
         for r in range(world):
             src = (r - i) % world
-            forward_step(q_shards[r], k_shards[src], v_shards[src], plans[r][i], *accs[r],
-                         backend, scale, softcap)
+            step(q_shards[r], k_shards[src], v_shards[src], plans[r][i], *accs[r], backend,
+                 scale, softcap)
     return ([o.to(q.dtype) for (o, _), q in zip(accs, q_shards)], [l for _, l in accs])
 
 
 def emulated_ring_backward(douts, q_shards, k_shards, v_shards, outs, lses, *,
                            causal: bool = False, softmax_scale: Optional[float] = None,
                            window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                           layout: str = "zigzag", backend=None) -> tuple:
+                           layout: str = "zigzag", cu_seqlens=None, backend=None) -> tuple:
     """The ring's backward for the ranks of :func:`emulated_ring_forward`, given each rank's
     dout and its forward's out and lse. Returns (dqs, dks, dvs), per rank, in the inputs'
     dtypes."""
     world = len(q_shards)
     backend = backend or FlashBackend()
-    window, scale, softcap = _check(q_shards[0], k_shards[0], v_shards[0], layout, window_size,
-                                    softcap, softmax_scale)
-    local = q_shards[0].shape[1]
-    plans = [step_plans(layout, local, world, r, causal, window) for r in range(world)]
+    plans, scale, softcap, _, step = _emulated_plans(q_shards, k_shards, v_shards, causal,
+                                                     softmax_scale, window_size, softcap,
+                                                     layout, cu_seqlens)
     dqs = [torch.zeros(q.shape, dtype=torch.float32, device=q.device) for q in q_shards]
     dks = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for k in k_shards]
     dvs = [torch.zeros(v.shape, dtype=torch.float32, device=v.device) for v in v_shards]
@@ -121,8 +161,8 @@ def emulated_ring_backward(douts, q_shards, k_shards, v_shards, outs, lses, *,
             src = (r - i) % world
             dk_step = torch.zeros_like(dks[src])
             dv_step = torch.zeros_like(dvs[src])
-            backward_step(douts[r], q_shards[r], k_shards[src], v_shards[src], outs[r], lses[r],
-                          plans[r][i], dqs[r], dk_step, dv_step, backend, scale, softcap)
+            step(douts[r], q_shards[r], k_shards[src], v_shards[src], outs[r], lses[r],
+                 plans[r][i], dqs[r], dk_step, dv_step, backend, scale, softcap)
             # The ring adds this step's share to the buffer that arrived with the shard.
             dks[src] = dk_step + dks[src] if i else dk_step
             dvs[src] = dv_step + dvs[src] if i else dv_step
@@ -131,10 +171,30 @@ def emulated_ring_backward(douts, q_shards, k_shards, v_shards, outs, lses, *,
             [g.to(t.dtype) for g, t in zip(dvs, v_shards)])
 
 
+def _emulated_plans(q_shards, k_shards, v_shards, causal, softmax_scale, window_size, softcap,
+                    layout, cu_seqlens) -> tuple:
+    """(plans per rank, scale, softcap, forward step, backward step) of the emulated ring."""
+    world = len(q_shards)
+    q, k, v = q_shards[0], k_shards[0], v_shards[0]
+    if cu_seqlens is None:
+        window, scale, softcap = _check(q, k, v, layout, window_size, softcap, softmax_scale)
+        plans = [step_plans(layout, q.shape[1], world, r, causal, window) for r in range(world)]
+        return plans, scale, softcap, forward_step, backward_step
+    lengths, window, scale, softcap = _check_varlen(q, k, v, cu_seqlens, layout, window_size,
+                                                    softcap, softmax_scale)
+    plans = [varlen_step_plans(lengths, layout, world, r, causal, window, q.device)
+             for r in range(world)]
+    return plans, scale, softcap, forward_step_varlen, backward_step_varlen
+
+
 def _new_accumulators(q: torch.Tensor) -> tuple:
-    b, s, h, _ = q.shape
+    """float32 (out, lse) to merge into: lse (b, h, s), or (h, total) for varlen q."""
+    if q.dim() == 3:
+        lse_shape = (q.shape[1], q.shape[0])
+    else:
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
-            torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device))
+            torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,19 +238,20 @@ class _RingComm:
         return _Transfer(received, dist.batch_isend_irecv(ops), sent)
 
 
-def _ring_forward(comm, q, k, v, plans, backend, scale, softcap):
+def _ring_forward(comm, q, k, v, plans, backend, scale, softcap, step=forward_step):
     acc_out, acc_lse = _new_accumulators(q)
     kv = [k, v]
     for i in range(comm.world):
         # The next shard's transfer overlaps this step's attention.
         transfer = comm.shift(kv) if i + 1 < comm.world else None
-        forward_step(q, kv[0], kv[1], plans[i], acc_out, acc_lse, backend, scale, softcap)
+        step(q, kv[0], kv[1], plans[i], acc_out, acc_lse, backend, scale, softcap)
         if transfer is not None:
             kv = transfer.wait()
     return acc_out.to(q.dtype), acc_lse
 
 
-def _ring_backward(comm, dout, q, k, v, out, lse, plans, backend, scale, softcap):
+def _ring_backward(comm, dout, q, k, v, out, lse, plans, backend, scale, softcap,
+                   step=backward_step):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = [k, v]
     dkv_transfer = None
@@ -198,8 +259,7 @@ def _ring_backward(comm, dout, q, k, v, out, lse, plans, backend, scale, softcap
         kv_transfer = comm.shift(kv) if i + 1 < comm.world else None
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        backward_step(dout, q, kv[0], kv[1], out, lse, plans[i], dq, dk, dv, backend, scale,
-                      softcap)
+        step(dout, q, kv[0], kv[1], out, lse, plans[i], dq, dk, dv, backend, scale, softcap)
         if dkv_transfer is not None:
             # The buffer of this shard's dk/dv, from the ranks it visited before.
             prev_dk, prev_dv = dkv_transfer.wait()
@@ -214,13 +274,21 @@ def _ring_backward(comm, dout, q, k, v, out, lse, plans, backend, scale, softcap
 
 class _RingFlashAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, window, softcap, layout, backend):
+    def forward(ctx, q, k, v, group, causal, scale, window, softcap, layout, backend,
+                local_lengths):
         comm = _RingComm(group)
-        plans = step_plans(layout, q.shape[1], comm.world, comm.rank, causal, window)
-        out, lse = _ring_forward(comm, q, k, v, plans, backend, scale, softcap)
+        if local_lengths is None:
+            plans = step_plans(layout, q.shape[1], comm.world, comm.rank, causal, window)
+            steps = (forward_step, backward_step)
+        else:
+            plans = varlen_step_plans(local_lengths, layout, comm.world, comm.rank, causal,
+                                      window, q.device)
+            steps = (forward_step_varlen, backward_step_varlen)
+        out, lse = _ring_forward(comm, q, k, v, plans, backend, scale, softcap, steps[0])
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.plans, ctx.backend, ctx.scale, ctx.softcap = (comm, plans, backend, scale,
                                                                      softcap)
+        ctx.backward_step = steps[1]
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -228,8 +296,8 @@ class _RingFlashAttn(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.comm, dout, q, k, v, out, lse, ctx.plans, ctx.backend,
-                                    ctx.scale, ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                    ctx.scale, ctx.softcap, ctx.backward_step)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable
@@ -258,7 +326,30 @@ def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     if backend is None:
         backend = FlashBackend()
     out, lse = _RingFlashAttn.apply(q, k, v, group, bool(causal), scale, window, softcap,
-                                    layout, backend)
+                                    layout, backend, None)
+    return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable
+def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
+                                group=None, causal: bool = False,
+                                softmax_scale: Optional[float] = None,
+                                window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                                layout: str = "zigzag", return_lse: bool = False,
+                                backend=None):
+    """:func:`ring_flash_attn_func` for packed documents: q (total, heads_q, headdim), k and v
+    (total, heads_kv, headdim), this rank's shard as :func:`flash_ext.distributed.shard_varlen`
+    makes it (every document sharded on its own: its full length a multiple of 2 * world for
+    zigzag, of world for contiguous). ``cu_seqlens``: the *local* cumulative document lengths
+    (the full ones divided by world), the same on every rank; a tensor or a list (read on the
+    host once per call: a sync if it is on the GPU). No attention crosses documents. Returns
+    out (total, heads_q, headdim), and with ``return_lse`` lse (heads_q, total) float32."""
+    lengths, window, scale, softcap = _check_varlen(q, k, v, cu_seqlens, layout, window_size,
+                                                    softcap, softmax_scale)
+    if backend is None:
+        backend = FlashBackend()
+    out, lse = _RingFlashAttn.apply(q, k, v, group, bool(causal), scale, window, softcap,
+                                    layout, backend, lengths)
     return (out, lse) if return_lse else out
 
 

@@ -225,6 +225,24 @@ class FlashBackend:
                                   softmax_scale=softmax_scale, causal=causal,
                                   window_size=(window_left, window_right), softcap=softcap)
 
+    def fwd_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left,
+                   window_right, softcap):
+        import flash_ext
+        causal = window_left == -1 and window_right == 0
+        return flash_ext.attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                  max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                  softmax_scale=softmax_scale, causal=causal,
+                                  window_size=(window_left, window_right), softcap=softcap)
+
+    def bwd_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, softmax_scale,
+                   window_left, window_right, softcap):
+        import flash_ext
+        causal = window_left == -1 and window_right == 0
+        return flash_ext.attn_bwd(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q=cu_q,
+                                  cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                  softmax_scale=softmax_scale, causal=causal,
+                                  window_size=(window_left, window_right), softcap=softcap)
+
 
 class ReferenceBackend:
     """flash_ext.reference.attention_ref in float32 (any device, CPU included). The backward
@@ -252,6 +270,28 @@ class ReferenceBackend:
             share = (dout_f * o_blk * w.unsqueeze(-1)).sum() - (d_rows * w).sum()
             dq, dk, dv = torch.autograd.grad(share, (qf, kf, vf))
         return dq, dk, dv
+
+    def fwd_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left,
+                   window_right, softcap):
+        from flash_ext.reference import attention_ref_varlen
+        return attention_ref_varlen(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
+                                    window_size=(window_left, window_right), softcap=softcap)
+
+    def bwd_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, softmax_scale,
+                   window_left, window_right, softcap):
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
+        cq, ck = [int(x) for x in cu_q.tolist()], [int(x) for x in cu_k.tolist()]
+        for i in range(len(cq) - 1):
+            qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+            if qs.stop == qs.start:
+                continue
+            dq, dk, dv = self.bwd(dout[None, qs], q[None, qs], k[None, ks], v[None, ks],
+                                  out[None, qs], lse[None, :, qs], softmax_scale, window_left,
+                                  window_right, softcap)
+            grads[0][qs] += dq[0]
+            grads[1][ks] += dk[0]
+            grads[2][ks] += dv[0]
+        return tuple(grads)
 
 
 # ----------------------------------------------------------------------------------------------
