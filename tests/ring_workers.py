@@ -87,8 +87,53 @@ def gloo_worker(rank, world, init_file):
             for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
                 torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5,
                                            msg=lambda m: f"case {n} rank {rank} {name}: {m}")
+        _gloo_varlen(rank, world, backend)
     finally:
         dist.destroy_process_group()
+
+
+def _varlen_inputs(seed, world, layout, hq, hkv, d, dtype, device, unit_mult=1):
+    unit = (2 * world if layout == "zigzag" else world) * unit_mult
+    lens = [2 * unit, unit, 0, 3 * unit]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    total = int(cu[-1])
+    q = torch.randn(total, hq, d, generator=g)
+    k = torch.randn(total, hkv, d, generator=g)
+    v = torch.randn(total, hkv, d, generator=g)
+    dout = torch.randn(total, hq, d, generator=g)
+    return cu.to(device), [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
+
+
+def _run_varlen_ring(q, k, v, dout, cu, world, rank, layout, kwargs, backend=None):
+    from flash_ext import distributed as cp
+    ql, kl, vl, dl = (cp.shard_varlen(t, cu, world, rank, layout).clone()
+                      for t in (q, k, v, dout))
+    for t in (ql, kl, vl):
+        t.requires_grad_()
+    out, lse = cp.ring_flash_attn_varlen_func(ql, kl, vl, cu // world, layout=layout,
+                                              return_lse=True, backend=backend, **kwargs)
+    out.backward(dl)
+    return out.detach(), lse, ql.grad, kl.grad, vl.grad
+
+
+def _gloo_varlen(rank, world, backend):
+    """The varlen ring over gloo against the varlen reference on the full documents."""
+    from flash_ext import distributed as cp
+    from flash_ext.reference import attention_ref_varlen
+    for n, (causal, layout, hq, hkv, window, softcap) in enumerate(CASES):
+        kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+        cu, (q, k, v, dout) = _varlen_inputs(n, world, layout, hq, hkv, 8, torch.float32, "cpu")
+        got = _run_varlen_ring(q, k, v, dout, cu, world, rank, layout, kwargs, backend)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = attention_ref_varlen(qr, kr, vr, cu, cu, **kwargs)
+        ref_out.backward(dout)
+        ref = [cp.shard_varlen(ref_out.detach(), cu, world, rank, layout),
+               cp.shard_varlen(ref_lse, cu, world, rank, layout, dim=1)]
+        ref += [cp.shard_varlen(t.grad, cu, world, rank, layout) for t in (qr, kr, vr)]
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5,
+                                       msg=lambda m: f"varlen case {n} rank {rank} {name}: {m}")
 
 
 def _bound_check(label, got, ref32, flash_full):
@@ -138,6 +183,35 @@ def nccl_worker(rank, world, init_file, seqlen, dtype_name):
             torch.testing.assert_close(got[1], mine(f_lse, 2), atol=1e-3, rtol=1e-3)
             for name, g, r, f in zip(("dq", "dk", "dv"), got[2:], (qr, kr, vr), (qf, kf, vf)):
                 _bound_check(f"case {n} rank {rank} {name}", g, mine(r.grad), mine(f.grad))
+        _nccl_varlen(rank, world, dtype)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _nccl_varlen(rank, world, dtype):
+    """The varlen NCCL ring against flash_ext's varlen attention on the full documents."""
+    import flash_ext
+    from flash_ext import distributed as cp
+    from flash_ext.reference import attention_ref_varlen
+    for n, (causal, layout, hq, hkv, window, softcap) in enumerate(CASES):
+        kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+        cu, (q, k, v, dout) = _varlen_inputs(n, world, layout, hq, hkv, 64, dtype, "cuda",
+                                             unit_mult=64)
+        got = _run_varlen_ring(q, k, v, dout, cu, world, rank, layout, kwargs)
+        mx = int((cu[1:] - cu[:-1]).max())
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        f_out, _ = flash_ext.attn_fwd(qf, kf, vf, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                      max_seqlen_q=mx, max_seqlen_k=mx, **kwargs)
+        f_out.backward(dout)
+        qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
+        r_out, r_lse = attention_ref_varlen(qr, kr, vr, cu, cu, **kwargs)
+        r_out.backward(dout.float())
+
+        def mine(t, dim=0):
+            return cp.shard_varlen(t, cu, world, rank, layout, dim)
+        _bound_check(f"varlen case {n} rank {rank} out", got[0], mine(r_out.detach()),
+                     mine(f_out.detach()))
+        torch.testing.assert_close(got[1], mine(r_lse, 1), atol=1e-3, rtol=1e-3)
+        for name, g, r, f in zip(("dq", "dk", "dv"), got[2:], (qr, kr, vr), (qf, kf, vf)):
+            _bound_check(f"varlen case {n} rank {rank} {name}", g, mine(r.grad), mine(f.grad))

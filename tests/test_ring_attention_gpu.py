@@ -83,3 +83,41 @@ def test_ring_over_nccl(dtype_name):
         mp.spawn(ring_workers.nccl_worker,
                  args=(world, os.path.join(tmp, "init"), 2 * world * 512, dtype_name),
                  nprocs=world, join=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (90, -1))])
+def test_emulated_varlen_ring_with_kernels(dtype, world, layout, causal, window):
+    """Packed documents (one of them empty): the emulated varlen ring with the kernels against
+    flash_ext's varlen attention on the full documents."""
+    import flash_ext
+    from flash_ext.reference import attention_ref_varlen
+    kw = dict(causal=causal, window_size=window)
+    cu, (q, k, v, dout) = ring_workers._varlen_inputs(world, world, layout, 8, 2, 128, dtype,
+                                                       "cuda", unit_mult=40)
+    mx = int((cu[1:] - cu[:-1]).max())
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    f_out, _ = flash_ext.attn_fwd(qf, kf, vf, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx,
+                                  max_seqlen_k=mx, **kw)
+    f_out.backward(dout)
+    qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
+    r_out, r_lse = attention_ref_varlen(qr, kr, vr, cu, cu, **kw)
+    r_out.backward(dout.float())
+
+    def sh(t):
+        return [cp.shard_varlen(t, cu, world, r, layout) for r in range(world)]
+    with torch.no_grad():
+        outs, lses = cp.emulated_ring_forward(sh(q), sh(k), sh(v), layout=layout,
+                                              cu_seqlens=cu // world, **kw)
+        grads = cp.emulated_ring_backward(sh(dout), sh(q), sh(k), sh(v), outs, lses,
+                                          layout=layout, cu_seqlens=cu // world, **kw)
+    got = [outs] + list(grads)
+    for name, g, r, f in zip(("out", "dq", "dk", "dv"), got, (r_out, qr.grad, kr.grad, vr.grad),
+                             (f_out, qf.grad, kf.grad, vf.grad)):
+        ring_workers._bound_check(f"varlen {name} world={world} {layout} causal={causal}",
+                                  cp.gather_varlen(g, cu, layout), r.detach(), f.detach())
+    torch.testing.assert_close(cp.gather_varlen(lses, cu, layout, dim=1), r_lse, atol=1e-3,
+                               rtol=1e-3)
