@@ -2,9 +2,9 @@
 (context parallelism with flash_ext.distributed's zigzag ring), next to the same model trained
 on the whole sequence in one process: the losses agree step by step.
 
-    torchrun --nproc-per-node 2 examples/context_parallel_train.py            # GPUs, NCCL, bf16
-    torchrun --nproc-per-node 3 examples/context_parallel_train.py --cpu      # CPU, gloo, fp32
-                                                                              # (reference attention)
+    torchrun --nproc-per-node 2 examples/context_parallel_train.py        # GPUs, NCCL, bf16
+    torchrun --nproc-per-node 3 examples/context_parallel_train.py --cpu  # CPU, gloo, fp32,
+                                                                          # reference attention
 
 Each rank holds the zigzag shard of the tokens (and of their positions: the position embedding
 is looked up at the global positions). The parameters are replicated: after the backward the
