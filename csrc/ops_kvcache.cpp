@@ -268,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   const int64_t m_blocks = (p.packed_rows + kDecodeBlockM - 1) / kDecodeBlockM;
   const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(8, (dev.smem_optin_bytes + 1024) / (decode_smem_bytes(kd) + 1024)));
   p.num_splits = choose_decode_splits(int(num_splits), batch * heads_kv * m_blocks, int64_t(dev.sms) * ctas_per_sm,
-                                      (c.capacity + kDecodeBlockN - 1) / kDecodeBlockN);
+                                      (c.capacity + decode_block_n(kd) - 1) / decode_block_n(kd));
   at::Tensor partials;  // alive until the launch is queued
   if (p.num_splits > 1) {
     const int64_t rows = batch * heads_q * seqlen_q;

@@ -22,14 +22,52 @@
 #include "common/softmax.h"
 #include "decode/decode_params.h"
 #include "sm80/gemm.h"
-#include "sm80/kernel_traits.h"
 
 namespace flash_ext::decode {
 
 using namespace cute;
 
-template <int kHeadDim, typename Element>
-using DecodeTraits = sm80::FwdTraits<kHeadDim, kDecodeBlockM, kDecodeBlockN, 1, Element>;
+// The warps of a CTA split each key block (16 keys each) and keep their own softmax state,
+// merged once at the end; a ring of kStages blocks (K and V) in shared memory.
+template <int kHeadDim_, typename Element_>
+struct DecodeTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kDecodeBlockM;
+  static constexpr int kBlockN = decode_block_n(kHeadDim);
+  static constexpr int kWarps = kBlockN / 16;
+  static constexpr int kNThreads = 32 * kWarps;
+  static constexpr int kWarpKeys = kBlockN / kWarps;
+  static constexpr int kStages = kDecodeStages;
+  static_assert(kWarpKeys == 16, "one 16-key MMA tile per warp and block");
+
+  using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
+                                   SM80_16x8x16_F32BF16BF16F32_TN>;
+  using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;  // one warp
+
+  static constexpr int kSmemRowChunk = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzleBits = kSmemRowChunk == 64 ? 3 : 2;
+  using SmemAtom = decltype(composition(Swizzle<kSwizzleBits, 3, 3>{},
+                                        Layout<Shape<_8, Int<kSmemRowChunk>>, Stride<Int<kSmemRowChunk>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
+                                            make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
+  static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
+  // Q | ring of kStages x (K, V); the end-of-loop merge reuses the ring (fp32 O, max, sum per warp).
+  static constexpr int kSmemBytes = (kSmemQElems + kStages * 2 * kSmemKVElems) * int(sizeof(Element));
+  static_assert(kWarps * kBlockM * (kHeadDim + 2) * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)));
+
+  using S2RCopyQK = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using S2RCopyVt = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  static constexpr int kVec = 16 / sizeof(Element);
+  static constexpr int kThreadsPerRow = kSmemRowChunk / kVec;
+  using GmemTiledCopy = decltype(make_tiled_copy(
+      Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+      Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, Int<kVec>>>{}));
+};
 
 // Tokens in the cache of sequence b before this call's append.
 __device__ __forceinline__ int decode_cached_len(const DecodeParams& p, int b) {
@@ -66,13 +104,21 @@ __device__ __forceinline__ const Element* key_row(const DecodeParams& p, const E
   return base + page * batch_stride + int64_t(key % p.page_size) * row_stride;
 }
 
+// As many CTAs per SM as shared memory allows (3 at d <= 128 on an H100): registers must not be
+// the tighter limit.
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kHeadDim <= 128 ? 3 : 2)
+    decode_kernel(const __grid_constant__ DecodeParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kWarps = Traits::kWarps;
+  constexpr int kStages = Traits::kStages;
   constexpr int kChunks = kHeadDim / 8;  // 16-byte vectors per row
+  // Q's fragments stay in registers up to d = 128; at d = 256 (O alone takes 128 registers) each
+  // block reads them from shared memory again, one k-slice ahead.
+  constexpr bool kQInRegisters = kHeadDim <= 128;
 
   extern __shared__ __align__(128) char smem_raw[];
 
@@ -82,6 +128,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
   const int head_kv = blockIdx.y;
   const int batch = blockIdx.z;
   const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
 
   const int L = decode_seqlen_k(p, batch);
   const int start = p.cache_leftpad != nullptr ? p.cache_leftpad[batch] : 0;
@@ -96,6 +143,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
   const int per_split = (n_hi - n_lo + p.num_splits - 1) / p.num_splits;
   const int n_begin = n_lo + split * per_split;
   const int n_end = min(n_hi, n_begin + per_split);
+  const int n_count = max(0, n_end - n_begin);
   auto needs_mask = [&](int n_block) {
     return n_block * kBlockN < last.lo || (n_block + 1) * kBlockN > first.hi;
   };
@@ -104,26 +152,29 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
   const int cache_row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
   const Element* k_base = static_cast<const Element*>(p.k) + head_kv * p.k_head_stride;
   const Element* v_base = static_cast<const Element*>(p.v) + head_kv * p.v_head_stride;
-  // Packed row -> (token, query head).
   auto row_token = [&](int r) { return (row0 + r) / p.group; };
   auto row_head = [&](int r) { return head_kv * p.group + (row0 + r) % p.group; };
 
-  // Shared memory: Q | K | V; the output tile reuses Q's space.
+  // Shared memory: Q | stage 0 (K, V) | stage 1 (K, V) | ...
   Element* smem = reinterpret_cast<Element*>(smem_raw);
+  Element* ring = smem + Traits::kSmemQElems;
   Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem + Traits::kSmemQElems), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + int(Traits::kSmemKVElems), typename Traits::SmemLayoutKV{});
-  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
-  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
+  auto sK = [&](int slot) {
+    return make_tensor(make_smem_ptr(ring + slot * 2 * Traits::kSmemKVElems), typename Traits::SmemLayoutKV{});
+  };
+  auto sV = [&](int slot) {
+    return make_tensor(make_smem_ptr(ring + (slot * 2 + 1) * Traits::kSmemKVElems), typename Traits::SmemLayoutKV{});
+  };
+  auto sVt = [&](int slot) {
+    return make_tensor(make_smem_ptr(ring + (slot * 2 + 1) * Traits::kSmemKVElems), typename Traits::SmemLayoutVt{});
+  };
 
+  // K and V of key block n into a ring slot, row by row (each row's own slot address: paged or
+  // not); slots past L and columns past head_dim are zero-filled.
   typename Traits::GmemTiledCopy gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
-  Tensor tKsK = gmem_thr.partition_D(sK);
-  Tensor tVsV = gmem_thr.partition_D(sV);
   Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // Key block n of K or V into shared memory, row by row (each row's own slot address: paged or
-  // not); slots past L and columns past head_dim are zero-filled.
-  auto load_block = [&](auto& dst, const Element* base, int64_t batch_stride, int64_t row_stride, int n_block) {
+  auto load_rows = [&](auto dst, const Element* base, int64_t batch_stride, int64_t row_stride, int n_block) {
     CUTE_UNROLL
     for (int m = 0; m < size<1>(dst); ++m) {
       const int key = n_block * kBlockN + get<0>(tKVc(0, m, 0));
@@ -136,24 +187,25 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
       }
     }
   };
-  auto load_k = [&](int n_block) { load_block(tKsK, k_base, p.k_batch_stride, p.k_row_stride, n_block); };
-  auto load_v = [&](int n_block) { load_block(tVsV, v_base, p.v_batch_stride, p.v_row_stride, n_block); };
+  auto load_stage = [&](int slot, int n_block) {
+    load_rows(gmem_thr.partition_D(sK(slot)), k_base, p.k_batch_stride, p.k_row_stride, n_block);
+    load_rows(gmem_thr.partition_D(sV(slot)), v_base, p.v_batch_stride, p.v_row_stride, n_block);
+  };
 
+  // Each warp: S_w = Q K_w^T over its 16 keys of the block, its own online softmax, O_w += P_w V_w.
   typename Traits::TiledMma mma;
-  auto thr_mma = mma.get_thread_slice(tid);
+  auto thr_mma = mma.get_thread_slice(lane);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(sK);
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
+  Tensor sK_w0 = local_tile(sK(0), Shape<Int<16>, Int<kHeadDim>>{}, make_coord(warp, 0));
+  Tensor sVt_w0 = local_tile(sVt(0), Shape<Int<kHeadDim>, Int<16>>{}, make_coord(0, warp));
+  Tensor tSrK = thr_mma.partition_fragment_B(sK_w0);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVt_w0);
   Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<16>>{}));
   Tensor cS_rows = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
-
   auto s2r_q = make_tiled_copy_A(typename Traits::S2RCopyQK{}, mma);
   auto s2r_k = make_tiled_copy_B(typename Traits::S2RCopyQK{}, mma);
   auto s2r_v = make_tiled_copy_B(typename Traits::S2RCopyVt{}, mma);
-  Tensor tSsQ = s2r_q.get_thread_slice(tid).partition_S(sQ);
-  Tensor tSsK = s2r_k.get_thread_slice(tid).partition_S(sK);
-  Tensor tOsVt = s2r_v.get_thread_slice(tid).partition_S(sVt);
 
   Tensor o_rows = make_tensor(acc_o.data(), acc_as_rows_cols(acc_o.layout()));
   constexpr int kRows = decltype(size<0>(o_rows))::value;
@@ -167,9 +219,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
 
   const bool use_softcap = p.softcap > 0.f;
   const float scale_log2 = p.softmax_scale_log2;
-
-  // Each of this thread's rows' visible keys (for the blocks that need the elementwise mask),
-  // and with ALiBi its slope (in score units) and query position.
   KeyRange row_keys[kRows];
   float row_slope[kRows];
   int row_pos[kRows];
@@ -183,25 +232,27 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
     row_slope[r] = use_alibi && row < rows ? p.alibi_slopes[batch * p.alibi_batch_stride + row_head(row)] * alibi_unit : 0.f;
   }
 
-  auto step = [&](int n_block, auto is_first) {
+  auto step = [&](int slot, int n_block, auto is_first) {
     constexpr bool kFirst = decltype(is_first)::value;
-    Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor sK_w = local_tile(sK(slot), Shape<Int<16>, Int<kHeadDim>>{}, make_coord(warp, 0));
+    Tensor sVt_w = local_tile(sVt(slot), Shape<Int<kHeadDim>, Int<16>>{}, make_coord(0, warp));
+    Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<16>>{});
     clear(acc_s);
-    cp_async_wait<0>();
-    __syncthreads();  // K[n_block] (and Q) landed; the previous V is no longer read
-    load_v(n_block);
-    cp_async_fence();
-
-    sm80::gemm_ss(mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, s2r_q, s2r_k, tid);
+    if constexpr (kQInRegisters) {
+      sm80::gemm_rs(mma, acc_s, tSrQ, tSrK, s2r_k.get_thread_slice(lane).partition_S(sK_w), s2r_k, lane);
+    } else {
+      sm80::gemm_ss(mma, acc_s, tSrQ, tSrK, s2r_q.get_thread_slice(lane).partition_S(sQ),
+                    s2r_k.get_thread_slice(lane).partition_S(sK_w), s2r_q, s2r_k, lane);
+    }
     if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
     Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
+    const int key0 = n_block * kBlockN + warp * 16;
     if (use_alibi) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL
         for (int c = 0; c < size<1>(scores); ++c) {
-          const int key = n_block * kBlockN + get<1>(cS_rows(r, c));
-          scores(r, c) -= row_slope[r] * float(abs(row_pos[r] - key));
+          scores(r, c) -= row_slope[r] * float(abs(row_pos[r] - (key0 + get<1>(cS_rows(r, c)))));
         }
       }
     }
@@ -210,27 +261,19 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL
         for (int c = 0; c < size<1>(scores); ++c) {
-          const int key = n_block * kBlockN + get<1>(cS_rows(r, c));
+          const int key = key0 + get<1>(cS_rows(r, c));
           if (key < row_keys[r].lo || key >= row_keys[r].hi) scores(r, c) = -INFINITY;
         }
       }
     }
-
-    cp_async_wait<0>();
-    __syncthreads();  // V[n_block] landed; K is no longer read
-    if (n_block > n_begin) {
-      load_k(n_block - 1);
-      cp_async_fence();
-    }
-
     softmax.template update<kFirst>(scores, o_rows, scale_log2);
     Tensor rP = make_tensor_like<Element>(acc_s);
     convert_into(rP, acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_mma_a(rP.layout()));
-    sm80::gemm_rs(mma, acc_o, tOrP, tOrVt, tOsVt, s2r_v, tid);
+    sm80::gemm_rs(mma, acc_o, tOrP, tOrVt, s2r_v.get_thread_slice(lane).partition_S(sVt_w), s2r_v, lane);
   };
 
-  if (n_begin < n_end) {
+  if (n_count > 0) {
     // Q: the tile's packed rows, gathered by (token, head); padded rows and columns are zeros.
     // With rotary, the rotated chunks go through registers (fp32 math, rounded as FA2 does).
     const int cached = decode_cached_len(p, batch);
@@ -248,56 +291,106 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
         cp_async_16_zfill(&sQ(r, col), ok ? q_row + col : q_base, ok);
       }
     }
-    load_k(n_end - 1);
-    cp_async_fence();
-    step(n_end - 1, cute::true_type{});
-    for (int n_block = n_end - 2; n_block >= n_begin; --n_block) step(n_block, cute::false_type{});
+    // The ring's first kStages - 1 blocks (a group each; Q goes with the first).
+    CUTE_UNROLL
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_count) load_stage(s, n_begin + s);
+      cp_async_fence();
+    }
+    for (int j = 0; j < n_count; ++j) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // block j (and Q) landed for every thread; nobody reads block j - 1 any more
+      if (kQInRegisters && j == 0) {  // Q stays in registers for the whole loop
+        auto s2r_q_thr = s2r_q.get_thread_slice(lane);
+        copy(s2r_q, s2r_q_thr.partition_S(sQ), s2r_q_thr.retile_D(tSrQ));
+      }
+      const int next = j + kStages - 1;
+      if (next < n_count) load_stage(next % kStages, n_begin + next);
+      cp_async_fence();
+      if (j == 0) {
+        step(0, n_begin, cute::true_type{});
+      } else {
+        step(j % kStages, n_begin + j, cute::false_type{});
+      }
+    }
   }
-  // else: this split (or the whole tile) sees no key; it writes zeros and lse = -inf.
 
-  float lse[kRows];
-  softmax.finalize(o_rows, scale_log2, lse);
+  // Merge the warps' states through shared memory (the ring is free once every warp is done):
+  // per warp its rows' max and sum and its unnormalized O in fp32.
+  cp_async_wait<0>();
+  __syncthreads();
+  float* merge = reinterpret_cast<float*>(ring);
+  float* m_s = merge;                      // [warp][row]
+  float* l_s = m_s + kWarps * kBlockM;     // [warp][row]
+  float* o_s = l_s + kWarps * kBlockM;     // [warp][row][col]
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rows = make_tensor(cO.data(), acc_as_rows_cols(cO.layout()));
-  // lse, and the partials' rows, are (batch, heads_q, seqlen_q) in that order.
-  auto lse_row = [&](int r) { return (int64_t(batch) * p.heads_q + row_head(r)) * p.seqlen_q + row_token(r); };
-
-  if (p.num_splits > 1) {
-    // This split's normalized output and lse in fp32, merged by split_combine_kernel.
-    const int64_t split_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int row = get<0>(cO_rows(r, 0));
-      if (row >= rows) continue;
-      const int64_t out_row = split * split_rows + lse_row(row);
-      float* dst = p.o_partial + out_row * kHeadDim;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rows); ++c) dst[get<1>(cO_rows(r, c))] = o_rows(r, c);
-      if (get<1>(cO_rows(r, 0)) == 0) p.lse_partial[out_row] = lse[r];
-    }
-    return;
-  }
-
-  // One split: O through shared memory, then 16-byte stores to each row's (token, head).
-  Tensor rO = make_tensor_like<Element>(acc_o);
-  convert_into(rO, acc_o);
-  auto r2s = make_tiled_copy_C(typename Traits::R2SCopyO{}, mma);
-  auto r2s_thr = r2s.get_thread_slice(tid);
-  __syncthreads();  // every warp is done with sQ and sV
-  copy(r2s, r2s_thr.retile_S(rO), r2s_thr.partition_D(sO));
-  __syncthreads();
-  Element* o_base = static_cast<Element*>(p.out) + batch * p.o_batch_stride;
-  for (int i = tid; i < kBlockM * kChunks; i += Traits::kNThreads) {
-    const int r = i / kChunks, col = (i % kChunks) * 8;
-    if (r < rows && col < p.head_dim) {
-      Element* dst = o_base + int64_t(row_token(r)) * p.o_row_stride + int64_t(row_head(r)) * p.o_head_stride + col;
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sO(r, col));
-    }
-  }
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const int row = get<0>(cO_rows(r, 0));
-    if (row < rows && get<1>(cO_rows(r, 0)) == 0) p.lse[lse_row(row)] = lse[r];
+    const float sum = quad_sum(softmax.row_sum[r]);
+    if (get<1>(cO_rows(r, 0)) == 0) {
+      m_s[warp * kBlockM + row] = softmax.row_max[r];
+      l_s[warp * kBlockM + row] = sum;
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o_rows); ++c) o_s[(warp * kBlockM + row) * kHeadDim + get<1>(cO_rows(r, c))] = o_rows(r, c);
+  }
+  __syncthreads();
+
+  // Each thread: one row, kHeadDim / 8 of its columns (8 threads per row).
+  constexpr int kThreadsPerOutRow = Traits::kNThreads / kBlockM;
+  constexpr int kCols = kHeadDim / kThreadsPerOutRow;
+  static_assert(kCols % 8 == 0);
+  const int row = tid / kThreadsPerOutRow;
+  const int col0 = (tid % kThreadsPerOutRow) * kCols;
+  float m = -INFINITY;
+  CUTE_UNROLL
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, m_s[w * kBlockM + row]);
+  float weight[kWarps], l = 0.f;
+  CUTE_UNROLL
+  for (int w = 0; w < kWarps; ++w) {
+    weight[w] = combine::part_weight(m_s[w * kBlockM + row], m, scale_log2);
+    l += weight[w] * l_s[w * kBlockM + row];
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const float lse = l > 0.f ? (m * scale_log2 + __log2f(l)) * float(M_LN2) : -INFINITY;
+  if (row >= rows) return;
+  const int64_t lse_row = (int64_t(batch) * p.heads_q + row_head(row)) * p.seqlen_q + row_token(row);
+  // 8 columns at a time: this split's normalized output in fp32 (merged by split_combine_kernel)
+  // or, unsplit, the output itself.
+  const bool split_out = p.num_splits > 1;
+  const int64_t part_row = split * (int64_t(p.batch) * p.heads_q * p.seqlen_q) + lse_row;
+  Element* dst = static_cast<Element*>(p.out) + batch * p.o_batch_stride + int64_t(row_token(row)) * p.o_row_stride +
+                 int64_t(row_head(row)) * p.o_head_stride;
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; c += 8) {
+    float o[8];
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      float acc = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarps; ++w) acc += weight[w] * o_s[(w * kBlockM + row) * kHeadDim + col0 + c + i];
+      o[i] = acc * inv;
+    }
+    if (split_out) {
+      float* part = p.o_partial + part_row * kHeadDim + col0 + c;
+      *reinterpret_cast<float4*>(part) = make_float4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<float4*>(part + 4) = make_float4(o[4], o[5], o[6], o[7]);
+    } else if (col0 + c < p.head_dim) {
+      uint4 packed;
+      Element* e = reinterpret_cast<Element*>(&packed);
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) e[i] = Element(o[i]);
+      *reinterpret_cast<uint4*>(dst + col0 + c) = packed;
+    }
+  }
+  if (col0 == 0) {
+    if (split_out) {
+      p.lse_partial[part_row] = lse;
+    } else {
+      p.lse[lse_row] = lse;
+    }
   }
 }
 

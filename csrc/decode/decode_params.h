@@ -75,13 +75,18 @@ struct DecodeParams {
   float* lse_partial = nullptr;
 };
 
-// Rows of one decode tile (packed (token, query head) pairs) and keys per block.
+// Rows of one decode tile (packed (token, query head) pairs) and blocks in the shared-memory
+// ring; keys per block by kernel head dim kd: 64 (4 warps of 16 keys), 32 at kd = 256 (2 warps),
+// so that the ring fits the 99 KB of sm86 / sm89.
 constexpr int kDecodeBlockM = 16;
-constexpr int kDecodeBlockN = 64;
+constexpr int kDecodeStages = 2;
+constexpr int decode_block_n(int kd) { return kd > 128 ? 32 : 64; }
 
-// Shared memory of the decode kernel of kernel head dim kd (2-byte elements): Q (16 x kd), K and
-// V (64 x kd each); checked against the kernel's traits where it is compiled.
-constexpr int decode_smem_bytes(int kd) { return (kDecodeBlockM + 2 * kDecodeBlockN) * kd * 2; }
+// Shared memory of the decode kernel of kernel head dim kd (2-byte elements): Q (16 x kd) and the
+// ring of K and V blocks; checked against the kernel's traits where it is compiled.
+constexpr int decode_smem_bytes(int kd) {
+  return (kDecodeBlockM + kDecodeStages * 2 * decode_block_n(kd)) * kd * 2;
+}
 
 }  // namespace flash_ext
 
