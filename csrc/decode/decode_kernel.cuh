@@ -92,18 +92,6 @@ __device__ __forceinline__ KeyRange visible_keys(const DecodeParams& p, int L, i
   return r;
 }
 
-// Address of key slot `key` of sequence b in a cache (rows `row_stride` apart): a row of the
-// sequence's own cache row, or of a page of the block table; null for a page outside the table
-// (the load then zero-fills).
-template <typename Element>
-__device__ __forceinline__ const Element* key_row(const DecodeParams& p, const Element* base, int64_t batch_stride,
-                                                  int64_t row_stride, int cache_row, int batch, int key) {
-  if (p.block_table == nullptr) return base + cache_row * batch_stride + int64_t(key) * row_stride;
-  const int page = p.block_table[batch * p.block_table_batch_stride + key / p.page_size];
-  if (page < 0 || page >= p.num_pages) return nullptr;
-  return base + page * batch_stride + int64_t(key % p.page_size) * row_stride;
-}
-
 // As many CTAs per SM as shared memory allows (3 at d <= 128 on an H100): registers must not be
 // the tighter limit.
 template <typename Traits>
@@ -170,15 +158,40 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kHeadDim <= 128 ? 3
   };
 
   // K and V of key block n into a ring slot, row by row (each row's own slot address: paged or
-  // not); slots past L and columns past head_dim are zero-filled.
+  // not); slots past L, rows of pages outside [0, num_pages) and columns past head_dim are
+  // zero-filled. Paged caches: the pages of this thread's rows are looked up one block ahead
+  // (lookup_pages), so the block-table load is not in the copies' address chain, and one lookup
+  // serves K and V; a power-of-two page size divides by shift and mask.
   typename Traits::GmemTiledCopy gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
   Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  constexpr int kLoadRows = decltype(size<1>(gmem_thr.partition_D(sK(0))))::value;
+  const bool paged = p.block_table != nullptr;
+  const bool page_pow2 = (p.page_size & (p.page_size - 1)) == 0;
+  const int page_shift = __ffs(p.page_size) - 1;
+  const int* table = paged ? p.block_table + int64_t(batch) * p.block_table_batch_stride : nullptr;
+  int pages[kLoadRows];
+  auto lookup_pages = [&](int n_block) {
+    if (!paged) return;
+    CUTE_UNROLL
+    for (int m = 0; m < kLoadRows; ++m) {
+      const int key = n_block * kBlockN + get<0>(tKVc(0, m, 0));
+      pages[m] = key < L ? table[page_pow2 ? key >> page_shift : key / p.page_size] : -1;
+    }
+  };
   auto load_rows = [&](auto dst, const Element* base, int64_t batch_stride, int64_t row_stride, int n_block) {
     CUTE_UNROLL
-    for (int m = 0; m < size<1>(dst); ++m) {
+    for (int m = 0; m < kLoadRows; ++m) {
       const int key = n_block * kBlockN + get<0>(tKVc(0, m, 0));
-      const Element* row = key < L ? key_row(p, base, batch_stride, row_stride, cache_row, batch, key) : nullptr;
+      const Element* row = nullptr;
+      if (key < L) {
+        if (!paged) {
+          row = base + cache_row * batch_stride + int64_t(key) * row_stride;
+        } else if (pages[m] >= 0 && pages[m] < p.num_pages) {
+          const int in_page = page_pow2 ? key & (p.page_size - 1) : key % p.page_size;
+          row = base + pages[m] * batch_stride + int64_t(in_page) * row_stride;
+        }
+      }
       CUTE_UNROLL
       for (int k = 0; k < size<2>(dst); ++k) {
         const int col = get<1>(tKVc(0, m, k));
@@ -187,9 +200,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kHeadDim <= 128 ? 3
       }
     }
   };
+  // Loads block n_block (whose pages lookup_pages fetched) and looks up the pages of the block
+  // after it, which the next call loads.
   auto load_stage = [&](int slot, int n_block) {
     load_rows(gmem_thr.partition_D(sK(slot)), k_base, p.k_batch_stride, p.k_row_stride, n_block);
     load_rows(gmem_thr.partition_D(sV(slot)), v_base, p.v_batch_stride, p.v_row_stride, n_block);
+    if (n_block + 1 < n_end) lookup_pages(n_block + 1);
   };
 
   // Each warp: S_w = Q K_w^T over its 16 keys of the block, its own online softmax, O_w += P_w V_w.
@@ -292,6 +308,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kHeadDim <= 128 ? 3
       }
     }
     // The ring's first kStages - 1 blocks (a group each; Q goes with the first).
+    lookup_pages(n_begin);
     CUTE_UNROLL
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < n_count) load_stage(s, n_begin + s);
