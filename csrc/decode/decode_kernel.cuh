@@ -1,17 +1,19 @@
 // Flash-Decoding (the seeds; docs/design-flash-decoding.md): a few query tokens per sequence
 // against a long KV cache, on the sm80 path (mma.sync, ldmatrix, cp.async), for every sm80+ GPU.
 //
-// Grid (row blocks x splits, KV heads, batch). A CTA is one warp and owns one KV head of one
-// sequence: its 16 rows are the packed (query token, query head of that KV head) pairs, so K and
-// V are read once per KV head, not once per query head (GQA packing by index: any seqlen_q,
-// causal and local windows keep working). The keys of the sequence are cut into num_splits
-// equal runs of 64-key blocks, one per CTA, so that a batch with few KV heads still fills the
-// GPU; each split writes its normalized output and lse (fp32) and split_combine_kernel merges
-// them by log-sum-exp. With one split the CTA writes the output itself.
+// Grid (row blocks x splits, KV heads, batch). A CTA owns one KV head of one sequence: its 16
+// rows are the packed (query token, query head of that KV head) pairs, so K and V are read once
+// per KV head, not once per query head (GQA packing by index: any seqlen_q, causal and local
+// windows keep working). The keys of the sequence are cut into num_splits equal runs of key
+// blocks, one per CTA, so that a batch with few KV heads still fills the GPU; each split writes
+// its normalized output and lse (fp32) and split_combine_kernel merges them by log-sum-exp. With
+// one split the CTA writes the output itself.
 //
-// The loop is the sm80 forward's: K of the next block streams in while this block's softmax
-// and P V run, V of this block while Q K^T runs. At ~36 KB of shared memory (d = 128) six CTAs
-// share an SM, ~6 blocks of 16 KB in flight per SM, several times what HBM's latency needs.
+// A CTA has 4 warps (2 at d = 256, whose blocks are 32 keys); each warp takes 16 keys of every
+// block with its own online softmax, and the warps merge once through shared memory at the end.
+// Blocks stream through a ring of kStages (K, V) slots with cp.async, the next block in flight
+// while this one is computed; Q's fragments stay in registers up to d = 128. At d = 128 a CTA
+// takes 68 KB of shared memory: 3 CTAs per SM on an H100.
 #pragma once
 #include <cute/tensor.hpp>
 
