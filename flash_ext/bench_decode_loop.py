@@ -332,8 +332,8 @@ def sdpa_choice(model, batch: int, length: int, masked: bool, gqa: str) -> str:
         else:
             q = torch.empty(batch, cfg.heads_q, 1, cfg.head_dim, device=dev, dtype=dt)
         mask = torch.ones(1, 1, 1, length, device=dev, dtype=torch.bool) if masked else None
-        return SDPBackend(torch._fused_sdp_choice(q, kt, kt, mask, 0.0, False, None,
-                                                  gqa != "pack")).name
+        return SDPBackend(torch._fused_sdp_choice(q, kt, kt, attn_mask=mask,
+                                                  enable_gqa=gqa != "pack")).name
     except Exception:
         return "unknown"
 
@@ -416,6 +416,24 @@ def _timed_ms(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end)
 
 
+def _time_variant(model, caches, backend, mode: str, first, cell: Cell, rounds: int,
+                  warmup_steps: int):
+    """The loop times (ms, one per round) of one backend in one mode, and its tokens."""
+    if mode == "eager":
+        greedy_eager(model, caches, backend, first, cell.prompt, warmup_steps)
+
+        def loop():
+            return greedy_eager(model, caches, backend, first, cell.prompt, cell.new_tokens)
+    else:
+        decoder = GraphDecoder(model, caches, backend, first, cell.prompt, cell.new_tokens)
+        decoder.run(warmup_steps)
+        loop = decoder.run
+    times, out = [], []
+    for _ in range(rounds):
+        times.append(_timed_ms(lambda: out.append(loop())))
+    return times, out[-1].clone()
+
+
 def run_cell(model: Llama, cell: Cell, backends: Dict[str, object], rounds: int,
              warmup_steps: int, graphs: bool = True, seed: int = 0) -> dict:
     """Prefill once, then each backend x mode decodes the cell's new tokens: median loop ms,
@@ -439,27 +457,12 @@ def run_cell(model: Llama, cell: Cell, backends: Dict[str, object], rounds: int,
         for name, backend in backends.items():
             key = f"{name}_{mode}"
             with torch.inference_mode():
-                if mode == "eager":
-                    greedy_eager(model, caches, backend, first, cell.prompt, warmup_steps)
-                    loop = lambda: greedy_eager(model, caches, backend, first, cell.prompt,  # noqa: E731
-                                                cell.new_tokens)
-                else:
-                    dec = GraphDecoder(model, caches, backend, first, cell.prompt,
-                                       cell.new_tokens)
-                    dec.run(warmup_steps)
-                    loop = dec.run
-                times, out = [], None
-                for _ in range(rounds):
-                    box = []
-                    times.append(_timed_ms(lambda: box.append(loop())))
-                    out = box[0]
-                tokens[key] = out.clone()
+                times, tokens[key] = _time_variant(model, caches, backend, mode, first, cell,
+                                                   rounds, warmup_steps)
             ms = statistics.median(times)
             results[key] = dict(loop_ms=ms, ms_per_step=ms / cell.new_tokens,
                                 tokens_per_s=cell.batch * cell.new_tokens / (ms * 1e-3),
                                 rounds_ms=times)
-            if mode == "graph":
-                del dec
     ref = tokens["sdpa_eager"]
     for key in results:
         results[key]["first_divergence_vs_sdpa_eager"] = first_divergence(tokens[key], ref)
