@@ -195,13 +195,14 @@ def test_prefill_in_row_chunks_is_prefill_at_once():
               model.prefill(prompts[2:], parts, slice(2, 3))]
     assert torch.equal(torch.cat(firsts), first)
     for (a, b), (c, d) in zip(whole, parts):
-        torch.testing.assert_close(a, c) and torch.testing.assert_close(b, d)
+        torch.testing.assert_close(a, c)
+        torch.testing.assert_close(b, d)
 
 
-def _decode(model, backend, first, start, steps, graph_form, capacity):
-    """Greedy tokens of one backend from prefilled caches (copies), eager or with the graph
+def _decode(model, prefilled, backend, first, start, steps, graph_form):
+    """Greedy tokens of one backend from copies of the prefilled caches, eager or with the graph
     form's device position (stepped by hand: no capture on the CPU)."""
-    caches = [(k.clone(), v.clone()) for k, v in model._prefilled]
+    caches = [(k.clone(), v.clone()) for k, v in prefilled]
     if not graph_form:
         return dl.greedy_eager(model, caches, backend, first, start, steps), caches
     pos = dl.GraphPosition(first.shape[0], start, "cpu")
@@ -222,8 +223,7 @@ def test_greedy_tokens_agree_across_backends_on_cpu():
     prompts = torch.randint(0, 96, (b, prompt), generator=torch.Generator().manual_seed(2))
     caches = model.new_caches(b, cap)
     first = model.prefill(prompts, caches)
-    model._prefilled = caches
-    runs = {(name, graph): _decode(model, backend, first, prompt, steps, graph, cap)
+    runs = {(name, graph): _decode(model, caches, backend, first, prompt, steps, graph)
             for name, backend in (("sdpa", dl.SdpaBackend()),
                                   ("ext", dl.FlashExtBackend(reference_kvcache)))
             for graph in (False, True)}
