@@ -30,7 +30,9 @@ starting again at the prompt's end (the slots it writes are the same for every v
   max_len cache with a boolean mask of the valid prefix built from a device position).
 
 Times: CUDA events around the whole loop of new_tokens steps (embedding, layers, LM head,
-argmax), after warmup steps; the median of ``rounds`` loops. tokens/s = batch x new_tokens /
+argmax), after an untimed warm-up loop (by default a whole one, so that every cache length
+has been seen once: per-shape setup such as a library's plan cache stays out of the timed
+loops); the median of ``rounds`` loops. tokens/s = batch x new_tokens /
 seconds. The greedy tokens of every variant are compared with eager SDPA's: the first step at
 which any row differs is reported (bf16 near-ties can flip a token late; reported, not failed).
 """
@@ -407,7 +409,12 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
     return int(diff[0]) if diff.numel() else None
 
 
-def _timed_ms(fn: Callable[[], object]) -> float:
+def _timed_ms(fn: Callable[[], object], device) -> float:
+    """Milliseconds of fn's work: CUDA events around it on a GPU, the wall clock on the CPU."""
+    if torch.device(device).type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -417,8 +424,10 @@ def _timed_ms(fn: Callable[[], object]) -> float:
 
 
 def _time_variant(model, caches, backend, mode: str, first, cell: Cell, rounds: int,
-                  warmup_steps: int):
+                  warmup_steps: Optional[int]):
     """The loop times (ms, one per round) of one backend in one mode, and its tokens."""
+    if warmup_steps is None:
+        warmup_steps = cell.new_tokens
     if mode == "eager":
         greedy_eager(model, caches, backend, first, cell.prompt, warmup_steps)
 
@@ -430,12 +439,12 @@ def _time_variant(model, caches, backend, mode: str, first, cell: Cell, rounds: 
         loop = decoder.run
     times, out = [], []
     for _ in range(rounds):
-        times.append(_timed_ms(lambda: out.append(loop())))
+        times.append(_timed_ms(lambda: out.append(loop()), first.device))
     return times, out[-1].clone()
 
 
 def run_cell(model: Llama, cell: Cell, backends: Dict[str, object], rounds: int,
-             warmup_steps: int, graphs: bool = True, seed: int = 0) -> dict:
+             warmup_steps: Optional[int] = None, graphs: bool = True, seed: int = 0) -> dict:
     """Prefill once, then each backend x mode decodes the cell's new tokens: median loop ms,
     tokens/s, ms per step, and the first step whose tokens differ from eager SDPA's."""
     dev = model.device
@@ -489,7 +498,8 @@ def format_row(row: dict, modes: Sequence[str]) -> str:
                      f"{row[f'x_sdpa_{mode}']:6.2f}")
     div = "/".join(_fmt_div(res[f"{b}_{m}"]["first_divergence_vs_sdpa_eager"])
                    for m in modes for b in BACKENDS if not (b == "sdpa" and m == "eager"))
-    return f"{row['batch']:>5} {row['context']:>7} " + "  ".join(cells) + f"  {div}"
+    return (f"{row['batch']:>5} {row['context']:>7} {row['new_tokens']:>5} " + "  ".join(cells)
+            + f"  {div}")
 
 
 def table_header(modes: Sequence[str]) -> str:
@@ -497,31 +507,43 @@ def table_header(modes: Sequence[str]) -> str:
              for m in modes]
     div = "/".join(f"{b}_{m}" for m in modes for b in BACKENDS
                    if not (b == "sdpa" and m == "eager"))
-    return f"{'batch':>5} {'context':>7} " + "  ".join(cells) + f"  tokens vs sdpa_eager ({div})"
+    return (f"{'batch':>5} {'context':>7} {'new':>5} " + "  ".join(cells)
+            + f"  tokens vs sdpa_eager ({div})")
 
 
 def run_decode_loop(quick: bool = False, out_dir: Optional[str] = None,
                     cfg: LlamaConfig = LlamaConfig(), cells: Optional[Sequence[Cell]] = None,
-                    rounds: Optional[int] = None, warmup_steps: int = 8, graphs: bool = True,
-                    sdpa_gqa: str = "pack", seed: int = 0) -> List[dict]:
+                    rounds: Optional[int] = None, warmup_steps: Optional[int] = None,
+                    graphs: bool = True,
+                    sdpa_gqa: str = "pack", seed: int = 0, device="cuda",
+                    backends: Optional[Dict[str, object]] = None) -> List[dict]:
+    """Runs the cells (default: make_cells(quick)) and prints the table; writes
+    bench_decode_loop.json into out_dir. ``device`` and ``backends`` (default: the flash_ext
+    and SDPA backends) are for tests on the CPU (graphs=False there)."""
     from flash_ext.bench import progress_line
     cells = list(cells) if cells is not None else make_cells(quick)
     rounds = rounds if rounds is not None else (1 if quick else 3)
     modes = MODES if graphs else ("eager",)
     dt = torch.bfloat16
     t0 = time.monotonic()
-    model = Llama(cfg, max(c.context for c in cells), device="cuda", dtype=dt, seed=seed)
-    backends = {"flash_ext": FlashExtBackend(), "sdpa": SdpaBackend(sdpa_gqa)}
+    cuda = torch.device(device).type == "cuda"
+    device_name = torch.cuda.get_device_name(device) if cuda else str(device)
+    model = Llama(cfg, max(c.context for c in cells), device=device, dtype=dt, seed=seed)
+    if backends is None:
+        backends = {"flash_ext": FlashExtBackend(), "sdpa": SdpaBackend(sdpa_gqa)}
+    if set(backends) != set(BACKENDS):
+        raise ValueError(f"backends must be named {BACKENDS}, got {tuple(backends)}")
     c0 = cells[0]
     sdpa_kernels = {"eager": sdpa_choice(model, c0.batch, c0.context, False, sdpa_gqa),
                     "graph": sdpa_choice(model, c0.batch, c0.context, True, sdpa_gqa)}
     print(f"decode loop: Llama-architecture model (random init, bf16, seed {seed}): "
           f"{cfg.layers} layers, {cfg.heads_q} q / {cfg.heads_kv} kv heads, d={cfg.head_dim}, "
           f"hidden {cfg.hidden}, SwiGLU {cfg.intermediate}, vocab {cfg.vocab}; "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+          f"{device_name}, torch {torch.__version__}")
     print(f"greedy decode of new tokens after a prompt of context - new tokens (SDPA prefill); "
-          f"CUDA events around the loop, median of {rounds} round(s) after {warmup_steps} "
-          f"warm-up steps; SDPA GQA as {sdpa_gqa!r}, kernel {sdpa_kernels['eager']} (eager), "
+          f"{'CUDA events' if cuda else 'wall clock'} around the loop, median of {rounds} "
+          f"round(s) after {'a whole' if warmup_steps is None else f'{warmup_steps} steps of a'} "
+          f"warm-up loop; SDPA GQA as {sdpa_gqa!r}, kernel {sdpa_kernels['eager']} (eager), "
           f"{sdpa_kernels['graph']} (graph, masked)", flush=True)
     rows = []
     for i, cell in enumerate(cells, 1):
@@ -532,7 +554,8 @@ def run_decode_loop(quick: bool = False, out_dir: Optional[str] = None,
             f"{k} {v['tokens_per_s']:.0f} tok/s" for k, v in res.items())
         print(progress_line(i, len(cells), time.monotonic() - t0, text), file=sys.stderr,
               flush=True)
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     print()
     print(table_header(modes))
     for row in rows:
@@ -543,7 +566,7 @@ def run_decode_loop(quick: bool = False, out_dir: Optional[str] = None,
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, "bench_decode_loop.json")
         with open(path, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+            json.dump(dict(device=device_name, torch=torch.__version__,
                            model=asdict(cfg), dtype="bf16", seed=seed, rounds=rounds,
                            warmup_steps=warmup_steps, sdpa_gqa=sdpa_gqa,
                            sdpa_kernel=sdpa_kernels, rows=rows), f, indent=1)

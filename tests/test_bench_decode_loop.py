@@ -251,10 +251,11 @@ def test_table_lines():
     res = {f"{b}_{m}": dict(tokens_per_s=1000.0 * (i + 1), ms_per_step=1.5,
                             first_divergence_vs_sdpa_eager=(None if i < 3 else 7))
            for i, (m, b) in enumerate((m, b) for m in dl.MODES for b in dl.BACKENDS)}
-    row = dict(batch=8, context=2048, results=res, x_sdpa_eager=0.5, x_sdpa_graph=0.75)
+    row = dict(batch=8, context=2048, new_tokens=128, results=res, x_sdpa_eager=0.5,
+               x_sdpa_graph=0.75)
     header, line = dl.table_header(dl.MODES), dl.format_row(row, dl.MODES)
     assert "eager ext" in header and "graph sdpa" in header
-    assert line.split()[:2] == ["8", "2048"]
+    assert line.split()[:3] == ["8", "2048", "128"]
     assert "0.50" in line and "0.75" in line and line.endswith("same/same/@7")
 
 
@@ -312,3 +313,34 @@ def test_flash_ext_graph_replays_eager_tokens_gpu():
     assert torch.equal(graph, eager)
     for (k, v), (ek, ev) in zip(caches, eager_caches):
         assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_run_decode_loop_on_cpu(tmp_path, capsys):
+    """The whole section on the CPU (eager only; the flash_ext backend through the reference):
+    progress, table, JSON, tokens/s, and the tokens of both backends the same."""
+    backends = {"flash_ext": dl.FlashExtBackend(reference_kvcache), "sdpa": dl.SdpaBackend()}
+    rows = dl.run_decode_loop(out_dir=str(tmp_path), cfg=TINY, cells=[dl.Cell(2, 24, 6),
+                                                                       dl.Cell(1, 32, 4)],
+                              rounds=2, warmup_steps=1, graphs=False, device="cpu",
+                              backends=backends)
+    assert [(r["batch"], r["context"], r["prompt"]) for r in rows] == [(2, 24, 18), (1, 32, 28)]
+    for row in rows:
+        assert set(row["results"]) == {"flash_ext_eager", "sdpa_eager"}
+        for r in row["results"].values():
+            assert len(r["rounds_ms"]) == 2 and r["loop_ms"] > 0
+            assert r["tokens_per_s"] == pytest.approx(
+                row["batch"] * row["new_tokens"] / (r["loop_ms"] * 1e-3))
+        # bf16 here: a near-tie may flip a token (the float32 test above asks for equality)
+        div = row["results"]["flash_ext_eager"]["first_divergence_vs_sdpa_eager"]
+        assert div is None or 0 <= div < row["new_tokens"]
+        assert row["results"]["sdpa_eager"]["first_divergence_vs_sdpa_eager"] is None
+        assert row["x_sdpa_eager"] == pytest.approx(
+            row["results"]["flash_ext_eager"]["tokens_per_s"]
+            / row["results"]["sdpa_eager"]["tokens_per_s"])
+    captured = capsys.readouterr()
+    assert "case 2/2" in captured.err and "tokens vs sdpa_eager" in captured.out
+    meta = json.loads((tmp_path / "bench_decode_loop.json").read_text())
+    assert meta["device"] == "cpu" and meta["model"]["heads_kv"] == 2 and len(meta["rows"]) == 2
+    with pytest.raises(ValueError, match="backends"):
+        dl.run_decode_loop(cfg=TINY, cells=[dl.Cell(1, 8, 2)], graphs=False, device="cpu",
+                           backends={"sdpa": dl.SdpaBackend()})
