@@ -374,7 +374,7 @@ class GraphDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (allocator, kernels' first calls) off-graph
-            for _ in range(2):
+            for _ in range(min(2, steps)):  # within the steps: slots and output columns
                 self._step()
         torch.cuda.current_stream().wait_stream(side)
         self.reset()
@@ -396,9 +396,13 @@ class GraphDecoder:
         self.step.zero_()
 
     def run(self, steps: Optional[int] = None) -> torch.Tensor:
-        """Replays steps (default all) from the start; the tokens (b, steps) (the buffer)."""
+        """Replays steps (default all, at most all) from the start; the tokens (b, steps) (the
+        buffer)."""
+        steps = self.steps if steps is None else steps
+        if not 0 <= steps <= self.steps:
+            raise ValueError(f"{steps} steps, the graph decodes at most {self.steps}")
         self.reset()
-        for _ in range(self.steps if steps is None else steps):
+        for _ in range(steps):
             self.graph.replay()
         return self.out
 
@@ -426,8 +430,8 @@ def _timed_ms(fn: Callable[[], object], device) -> float:
 def _time_variant(model, caches, backend, mode: str, first, cell: Cell, rounds: int,
                   warmup_steps: Optional[int]):
     """The loop times (ms, one per round) of one backend in one mode, and its tokens."""
-    if warmup_steps is None:
-        warmup_steps = cell.new_tokens
+    warmup_steps = cell.new_tokens if warmup_steps is None else min(warmup_steps,
+                                                                       cell.new_tokens)
     if mode == "eager":
         greedy_eager(model, caches, backend, first, cell.prompt, warmup_steps)
 
