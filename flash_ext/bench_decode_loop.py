@@ -6,7 +6,7 @@ benchmark item).
 The model is written here in plain torch (no transformers): token embedding, ``layers`` blocks
 of RMSNorm -> attention (GQA, rotary embedding on GPT-NeoX halves) -> residual, RMSNorm ->
 SwiGLU MLP -> residual, then a final RMSNorm and the LM head; weights drawn from one seeded
-generator. Each layer has a static KV cache (batch, max_len, kv heads, head dim). Both backends
+generator. Each layer has a static KV cache (batch, context, kv heads, head dim). Both backends
 run the same weights, the same caches and the same rotary tables:
 
 - flash_ext: one flash_attn_with_kvcache call per layer appends the new k, v at the current
@@ -27,14 +27,18 @@ starting again at the prompt's end (the slots it writes are the same for every v
   on the host; SDPA slices the cache prefix).
 - graph: one decode step captured in a CUDA graph and replayed; the lengths live in device
   tensors bumped inside the graph (flash_ext: int32 cache_seqlens; SDPA: attends over the whole
-  max_len cache with a boolean mask of the valid prefix built from a device position).
+  cache with a boolean mask of the valid prefix built from a device position).
 
 Times: CUDA events around the whole loop of new_tokens steps (embedding, layers, LM head,
 argmax), after an untimed warm-up loop (by default a whole one, so that every cache length
 has been seen once: per-shape setup such as a library's plan cache stays out of the timed
-loops); the median of ``rounds`` loops. tokens/s = batch x new_tokens /
-seconds. The greedy tokens of every variant are compared with eager SDPA's: the first step at
+loops); the median of ``rounds`` loops. tokens/s = batch x new_tokens / seconds. The greedy
+tokens of every variant are compared with eager SDPA's: the first step at
 which any row differs is reported (bf16 near-ties can flip a token late; reported, not failed).
+
+Grid: batch 1, 8, 32 x context 2k, 8k, 256 new tokens, 3 rounds; --quick: batch 1, 8, 32 x
+context 2k, 128 new tokens, 1 round. Output: progress on stderr, the table on stdout,
+bench_decode_loop.json in --out.
 """
 
 from __future__ import annotations
