@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import flash_ext
 from conftest import requires_cuda
 from flash_ext import bench, reference
 from flash_ext import bench_decode_loop as dl
@@ -148,6 +149,35 @@ def test_flash_ext_backend_arguments():
     assert pos.lens.tolist() == [10, 10] and pos.pos.tolist() == [10]
     pos.reset(3)
     assert pos.lens.tolist() == [3, 3] and pos.pos.tolist() == [3]
+
+
+@pytest.mark.parametrize("graph_form", [False, True])
+def test_flash_ext_backend_arguments_pass_the_kvcache_checks(monkeypatch, graph_form):
+    """The default geometry's q, k, v (strided views of the fused projection), the model's
+    tables and the lengths the backend passes satisfy flash_attn_with_kvcache's input and value
+    checks (run on the CPU with the device check off; the kernels need a GPU)."""
+    from flash_ext import _validation
+    monkeypatch.setattr(_validation, "check_devices", lambda *a, **kw: None)
+    cfg = dl.LlamaConfig(vocab=64, layers=1, intermediate=64)
+    model = dl.Llama(cfg, max_len=256, device="cpu")
+    q, k, v = model._qkv(model.layers[0], torch.randn(3, 1, cfg.hidden).to(torch.bfloat16))
+    assert not k.is_contiguous()  # views into the fused projection, passed as they are
+    (kc, vc), = model.new_caches(3, 200)
+    position = dl.GraphPosition(3, 150, "cpu") if graph_form else 150
+    cos, sin, seqlens = dl.FlashExtBackend(lambda *a, **kw: None).step_context(model, position,
+                                                                               200)
+    assert _validation.check_kvcache_inputs(
+        q, kc, vc, k, v, cos, sin, seqlens, None, None, None, None, True, (-1, -1), 0.0, None,
+        0) == (200, 1)
+    _validation.check_kvcache_values(q, kc, seqlens, None, None, None, 200, 1, cos.shape[0],
+                                     True)
+    # and the checks do look: a new token past the capacity
+    full = 200 if not graph_form else torch.full((3,), 200, dtype=torch.int32)
+    with pytest.raises(flash_ext.FlashExtError):
+        _validation.check_kvcache_inputs(q, kc, vc, k, v, cos, sin, full, None, None, None,
+                                         None, True, (-1, -1), 0.0, None, 0)
+        _validation.check_kvcache_values(q, kc, full, None, None, None, 200, 1, cos.shape[0],
+                                         True)
 
 
 def test_sdpa_gqa_mode_checked():
