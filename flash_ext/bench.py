@@ -6,6 +6,8 @@ process.
     python -m flash_ext.bench --dtypes fp16 --hdims 128 --seqlens 2048,8192 --causal true
     python -m flash_ext.bench --quick --directions bwd --plot ratios.png
     python -m flash_ext.bench --decode      # KV-cache decode: GB/s and us per call (bench_decode.py)
+    python -m flash_ext.bench --decode-loop --quick  # greedy decode of a small Llama: tokens/s
+                                                     # (bench_decode_loop.py)
 
 Backends: flash_ext (attn_fwd and its autograd backward); flash_ext forced onto its
 FlashAttention-2 kernels (ext_sm80); torch.nn.functional.scaled_dot_product_attention restricted
@@ -408,6 +410,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--decode", action="store_true",
                    help="run the decode section instead (flash_attn_with_kvcache against SDPA's "
                         "backends at issue 26's shapes; flash_ext/bench_decode.py)")
+    p.add_argument("--decode-loop", action="store_true",
+                   help="run the decode-loop section instead (tokens/s of a greedy decode loop "
+                        "of a small Llama-architecture model, flash_attn_with_kvcache against "
+                        "SDPA, eager and CUDA graph; --quick: 3 cells; --rounds: loops per variant; "
+                        "flash_ext/bench_decode_loop.py)")
     p.add_argument("--out", default="bench_out", help="directory for the JSON and PNG")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="where to write the PNG of the ratios (default: bench_<directions>.png "
@@ -425,6 +432,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.warmup = 3 if args.quick else 10
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
+    if args.decode and args.decode_loop:
+        p.error("--decode and --decode-loop are separate runs: give one")
     if args.reps < 1:
         p.error("--reps must be >= 1")
     if args.rounds < 1:
@@ -921,6 +930,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.decode:
         from flash_ext.bench_decode import run_decode
         run_decode(out_dir=args.out)
+        return 0
+    if args.decode_loop:
+        from flash_ext.bench_decode_loop import run_decode_loop
+        run_decode_loop(quick=args.quick, out_dir=args.out, rounds=args.rounds)
         return 0
     found, missing = detect_peers(args.peers)
     backends = list(BACKEND_NAMES) + [p for p in PEER_NAMES if p in found]
