@@ -67,7 +67,8 @@ class CpuKernels:
 
     def fwd(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-            rng_state=None, deterministic=False):
+            rng_state=None, deterministic=False, seqused_k=None):
+        assert seqused_k is None, "tests/test_paged_prefill.py covers seqused_k"
         self.calls.append(("fwd", deterministic))
         out, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                  window_left, window_right, softcap, dropout_p)
@@ -75,7 +76,8 @@ class CpuKernels:
 
     def fwd_out(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-                rng_state=None):
+                rng_state=None, seqused_k=None):
+        assert seqused_k is None, "tests/test_paged_prefill.py covers seqused_k"
         self.calls.append(("fwd_out", None))
         o, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                window_left, window_right, softcap, dropout_p)
