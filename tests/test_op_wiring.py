@@ -152,8 +152,11 @@ def close(actual, want, dtype=torch.float16):
 def test_fwd_schema_has_deterministic():
     schema = torch.ops.flash_ext.fwd.default._schema
     names = [a.name for a in schema.arguments]
-    assert names[-3:] == ["dropout_p", "rng_state", "deterministic"], schema
-    det = schema.arguments[-1]
+    # Optional tensors appended after deterministic (seqused_k, ...) default to None.
+    assert names[12:15] == ["dropout_p", "rng_state", "deterministic"], schema
+    assert "seqused_k" in names[15:], schema
+    assert all(a.default_value is None for a in schema.arguments[15:]), schema
+    det = schema.arguments[14]
     assert str(det.type) == "bool" and det.default_value is False, schema
     assert [r.name for r in schema.returns] == ["out", "lse"], schema
 
