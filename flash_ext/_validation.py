@@ -36,6 +36,10 @@ longer than ``max_seqlen``). They read the values back with one small device op 
   environment variable ``FLASH_EXT_CHECK_CU_SEQLENS=0`` is set (or
   ``flash_ext._validation.CHECK_CU_SEQLENS_VALUES = False``), e.g. in latency-critical loops.
 
+seqused_k (0 <= seqused_k[b] <= the sequence's keys) and flash_attn_varlen_func's paged form
+(key counts at most max_seqlen_k, block_table entries of used pages in range) follow the
+cu_seqlens policy (:func:`check_seqused_k_values`, :func:`check_paged_varlen_values`).
+
 flash_attn_with_kvcache's index tensors (cache_seqlens, cache_leftpad, cache_batch_idx,
 block_table) follow the same policy (:func:`check_kvcache_values`, once per set of tensors and
 their versions), switched off with ``FLASH_EXT_CHECK_KVCACHE=0`` (``CHECK_KVCACHE_VALUES``).
