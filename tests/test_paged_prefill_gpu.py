@@ -208,3 +208,33 @@ def test_grad_is_refused():
         torch.ops.flash_ext.fwd(q, k, k, cu_of(lens_q), cu_of(lens_k), 8, 30, 0.125, False, -1,
                                 -1, 0.0, seqused_k=torch.tensor([5, 5], dtype=torch.int32,
                                                                 device="cuda"))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["seqused_k", "block_table"])
+def test_dropout_with_seqused_k(paged):
+    """Dropout works with seqused_k (sm80 kernel): out = S_dmask @ v on each sequence's used keys,
+    S_dmask (return_attn_probs) built from the kernel's own mask over the used keys only."""
+    lens_q, lens_k, used = [20, 7], [50, 90], [33, 90]
+    h, d, dtype = 2, 64, torch.float16
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype)
+    if paged:
+        kc, vc, table, k, v = paged_case(used, 16, h, d, dtype)
+        args = (kc, vc, cu_of(lens_q), cu_of(used), max(lens_q), max(used))
+        extra = dict(block_table=table)
+    else:
+        k = torch.randn(sum(lens_k), h, d, device="cuda", dtype=dtype)
+        v = torch.randn(sum(lens_k), h, d, device="cuda", dtype=dtype)
+        args = (k, v, cu_of(lens_q), cu_of(lens_k), max(lens_q), max(lens_k))
+        extra = dict(seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"))
+        v = _trim(v, lens_k, used)
+    out, lse, s_dmask = flash_ext.flash_attn_varlen_func(q, *args, dropout_p=0.3,
+                                                         return_attn_probs=True, **extra)
+    starts_q = [0, lens_q[0]]
+    starts_v = [0, used[0]]
+    for b in range(2):
+        p = s_dmask[b, :, :lens_q[b], :used[b]]
+        assert torch.all(s_dmask[b, :, :, used[b]:] == 0)
+        vb = v[starts_v[b]:starts_v[b] + used[b]].float()
+        want = torch.einsum("hqk,khd->qhd", p, vb)
+        got = out[starts_q[b]:starts_q[b] + lens_q[b]].float()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
