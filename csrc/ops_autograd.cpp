@@ -10,7 +10,8 @@
 //   when bwd runs;
 // - a call with nothing to compute (no query row or no key) gets zero gradients, no launch;
 // - bwd gets the forward's deterministic, dropout_p and rng_state;
-// - one gradient slot per op argument (15): q, k, v get theirs, the others none;
+// - one gradient slot per op argument (16): q, k, v get theirs, the others none;
+// - seqused_k is forward only: a call that would record a graph with it raises before any launch;
 // - dout is made what the ops read in place (last dim contiguous, other strides and the storage
 //   offset multiples of 8 elements), copied only when it is not.
 // tests/stand_in_ops.py registers the same formula in Python for CPU runs without the build.
@@ -22,6 +23,8 @@
 #include <optional>
 #include <tuple>
 
+#include "api/errors.h"
+
 namespace flash_ext {
 namespace {
 
@@ -32,7 +35,8 @@ using OptTensor = std::optional<at::Tensor>;
 // The ops' C++ signatures (schemas in ops_fwd.cpp and ops_bwd.cpp).
 using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const OptTensor&, const OptTensor&, int64_t, int64_t, double,
-                                                  bool, int64_t, int64_t, double, double, const OptTensor&, bool);
+                                                  bool, int64_t, int64_t, double, double, const OptTensor&, bool,
+                                                  const OptTensor&);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const OptTensor&, const OptTensor&, int64_t, int64_t, double, bool, int64_t, int64_t, double, bool, double,
@@ -87,7 +91,7 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, lse) = fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-                                         rng_state, deterministic);
+                                         rng_state, deterministic, std::nullopt);
     }
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q.value_or(at::Tensor()),
@@ -110,7 +114,7 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
     const auto& d = ctx->saved_data;
     const at::Tensor &q = s[kQ], &k = s[kK], &v = s[kV], &out = s[kOut];
     const int64_t max_seqlen_q = d.at("max_seqlen_q").toInt(), max_seqlen_k = d.at("max_seqlen_k").toInt();
-    variable_list result(15);  // one slot per argument of fwd; only q, k, v get gradients
+    variable_list result(16);  // one slot per argument of fwd; only q, k, v get gradients
     if (nothing_to_do(q, k, s[kCuQ].defined(), max_seqlen_q, max_seqlen_k)) {
       // A direct call of the op with nothing to compute (attn_fwd never makes one).
       result[0] = at::zeros_like(q);
@@ -139,13 +143,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(c10::DispatchKeySet ks, const at
                                                 const OptTensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                 int64_t max_seqlen_k, double softmax_scale, bool causal,
                                                 int64_t window_left, int64_t window_right, double softcap,
-                                                double dropout_p, const OptTensor& rng_state, bool deterministic) {
+                                                double dropout_p, const OptTensor& rng_state, bool deterministic,
+                                                const OptTensor& seqused_k) {
   const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   if (!record) {
     return fwd_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                               softcap, dropout_p, rng_state, deterministic);
+                               softcap, dropout_p, rng_state, deterministic, seqused_k);
   }
+  // No backward reads seqused_k: refuse rather than return gradients of the wrong problem.
+  FLASH_EXT_CHECK(!seqused_k.has_value(),
+                  "flash_ext: seqused_k / block_table: forward only (no backward); q, k or v requires grad. "
+                  "Call it under torch.no_grad() or with inputs that do not require grad");
   const variable_list r =
       FwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                          window_left, window_right, softcap, dropout_p, rng_state, deterministic);

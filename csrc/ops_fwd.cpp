@@ -66,15 +66,17 @@ at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
                    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
                    int64_t window_left, int64_t window_right, double softcap, double dropout_p,
-                   const std::optional<at::Tensor>& rng_state) {
+                   const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k) {
   const AttnShape s = check_attention_inputs({q, k, v, out}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale, softcap, window_left, window_right);
+  if (seqused_k.has_value()) check_seqused_k(*seqused_k, q, s);
   FwdParams p{};
 #ifdef FLASH_EXT_SM90_TRACE
   p.sm90_trace = g_sm90_trace;
 #endif
   fill_common_params(p, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left,
                      window_right, softcap, dropout_p, rng_state);
+  p.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor lse = s.varlen ? at::empty({s.heads_q, s.total_q}, f32) : at::empty({s.batch, s.heads_q, s.seqlen_q}, f32);
   p.lse = lse.data_ptr<float>();
@@ -90,11 +92,11 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
                                        int64_t max_seqlen_k, double softmax_scale, bool causal,
                                        int64_t window_left, int64_t window_right, double softcap,
                                        double dropout_p, const std::optional<at::Tensor>& rng_state,
-                                       bool deterministic) {
+                                       bool deterministic, const std::optional<at::Tensor>& seqused_k) {
   (void)deterministic;
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   at::Tensor lse = forward(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                           causal, window_left, window_right, softcap, dropout_p, rng_state);
+                           causal, window_left, window_right, softcap, dropout_p, rng_state, seqused_k);
   return {out, lse};
 }
 
@@ -102,26 +104,28 @@ at::Tensor fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
                    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
                    int64_t window_left, int64_t window_right, double softcap, double dropout_p,
-                   const std::optional<at::Tensor>& rng_state) {
+                   const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k) {
   return forward(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                 window_left, window_right, softcap, dropout_p, rng_state);
+                 window_left, window_right, softcap, dropout_p, rng_state, seqused_k);
 }
 
 }  // namespace
 }  // namespace flash_ext
 
 TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
-  // deterministic is the last argument: ignored by the forward kernels, it makes the flag part of
-  // the op that autograd records, so one differentiable op serves both settings.
+  // deterministic: ignored by the forward kernels, it makes the flag part of the op that autograd
+  // records, so one differentiable op serves both settings. seqused_k (varlen only): sequence b
+  // uses only its first seqused_k[b] keys; forward only (the autograd kernel refuses it).
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
-      "float softcap, float dropout_p=0.0, Tensor? rng_state=None, bool deterministic=False) "
-      "-> (Tensor out, Tensor lse)");
+      "float softcap, float dropout_p=0.0, Tensor? rng_state=None, bool deterministic=False, "
+      "Tensor? seqused_k=None) -> (Tensor out, Tensor lse)");
   m.def(
       "fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, "
-      "int window_right, float softcap, float dropout_p=0.0, Tensor? rng_state=None) -> Tensor");
+      "int window_right, float softcap, float dropout_p=0.0, Tensor? rng_state=None, "
+      "Tensor? seqused_k=None) -> Tensor");
 #ifdef FLASH_EXT_SM90_TRACE
   m.def("sm90_trace_buffer(Tensor? buf) -> ()", &flash_ext::sm90_trace_buffer);
 #endif

@@ -38,6 +38,9 @@ struct FwdParams {
   // varlen: sequence b has rows [cu_seqlens_q[b], cu_seqlens_q[b+1]); nullptr when not varlen.
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
+  // varlen, optional (forward only): sequence b uses only its first seqused_k[b] keys (of the
+  // cu_seqlens_k[b+1] - cu_seqlens_k[b] it has); the mask aligns to that length. nullptr: all.
+  const int* __restrict__ seqused_k;
 
   float softmax_scale;       // usually 1/sqrt(head_dim)
   float softmax_scale_log2;  // softmax_scale * log2(e), or softcap-adjusted (see common/softmax.h)

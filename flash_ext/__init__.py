@@ -165,7 +165,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
              deterministic: bool = False,
              out: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-             rng_state: Optional[torch.Tensor] = None):
+             rng_state: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None):
     """Exact attention forward. Returns ``(out, lse)``, or ``(out, lse, rng_state)`` when
     ``dropout_p > 0``.
 
@@ -201,6 +201,14 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             torch's default CUDA generator (so torch.manual_seed makes runs reproducible, and
             each call gets a fresh mask). The mask depends only on rng_state and the (batch,
             head, query, key) position (csrc/common/dropout.h).
+        seqused_k: varlen only, int32 (batch,) on q's device (FlashAttention-3's meaning):
+            sequence b uses only its first seqused_k[b] keys of [cu_seqlens_k[b],
+            cu_seqlens_k[b+1]), 0 <= seqused_k[b] <= that length; causal and local windows align
+            bottom-right to the used length. The other keys are never read into the result (any
+            values, NaN included). Forward only: raises FlashExtNotImplementedError when q, k
+            or v requires grad (with grad mode on). Such calls run the sm80 kernel on every GPU
+            (the Hopper kernel's tensor maps would read the unused keys). Its values are checked
+            under the cu_seqlens policy (flash_ext/_validation.py). Works with dropout.
 
     Returns:
         out: q's shape and dtype.
@@ -210,39 +218,58 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             from; pass it to :func:`attn_bwd` (autograd does that itself).
     """
     if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None \
-            and max_seqlen_k is None and out is None and rng_state is None:
+            and max_seqlen_k is None and out is None and rng_state is None and seqused_k is None:
         args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                           dropout_p)
         if args is not None:
             return ops._fwd(q, k, v, None, None, 0, 0, *args, 0.0, None, deterministic)
-    varlen = _validation.check_fwd_inputs(
+    _validation.check_fwd_inputs(
         q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, out=out, dropout_p=dropout_p, rng_state=rng_state)
+        max_seqlen_k=max_seqlen_k, out=out, dropout_p=dropout_p, rng_state=rng_state,
+        seqused_k=seqused_k)
+    return _attn_fwd_checked(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k, deterministic=deterministic, out=out,
+                             dropout_p=dropout_p, rng_state=rng_state, seqused_k=seqused_k)
+
+
+def _attn_fwd_checked(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                      softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                      max_seqlen_k=None, deterministic=False, out=None, dropout_p=0.0,
+                      rng_state=None, seqused_k=None):
+    """attn_fwd for arguments its checks (or a caller's own, equivalent ones: the paged varlen
+    path of flash_attn_varlen_func) have passed: the same keywords, the same results."""
+    varlen = cu_seqlens_q is not None
     dropout_p = float(dropout_p)
     if dropout_p > 0.0:
         if rng_state is None:
             rng_state = ops._dropout_rng_state(q)
         o, lse = _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap,
                                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                deterministic, out, varlen, dropout_p, rng_state)
+                                deterministic, out, varlen, dropout_p, rng_state, seqused_k)
         return o, lse, rng_state
     return _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q,
                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, out, varlen,
-                          0.0, None)
+                          0.0, None, seqused_k)
 
 
 def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, out, varlen: bool,
-                   dropout_p: float, rng_state):
+                   dropout_p: float, rng_state, seqused_k=None):
     """attn_fwd after the checks: (out, lse). Differentiable through flash_ext::fwd's autograd
-    formula, which reads `deterministic` from the op's arguments."""
+    formula, which reads `deterministic` from the op's arguments. seqused_k goes to the ops by
+    keyword, and only when given (so that calls without it make the same op call as before)."""
     d = q.shape[-1]
     args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
+    extra = {}
     if varlen:
         cu_seqlens_q = cu_seqlens_q.contiguous()
         cu_seqlens_k = cu_seqlens_k.contiguous()
         mq, mk = int(max_seqlen_q), int(max_seqlen_k)
+        if seqused_k is not None:
+            extra["seqused_k"] = seqused_k.contiguous()
     else:
         mq = mk = 0
 
@@ -261,10 +288,10 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
     # out= is never differentiable here (check_out_without_grad), so writing in place is safe.
     if out is not None and d_pad == d and _is_aligned(out):
         lse = ops._fwd_out(q, k, v, out, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p,
-                           rng_state)
+                           rng_state, **extra)
         return out, lse
     o, lse = ops._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, *args, dropout_p, rng_state,
-                      bool(deterministic))
+                      bool(deterministic), **extra)
     if d_pad != d:
         o = o[..., :d]
     if out is not None:

@@ -36,6 +36,10 @@ longer than ``max_seqlen``). They read the values back with one small device op 
   environment variable ``FLASH_EXT_CHECK_CU_SEQLENS=0`` is set (or
   ``flash_ext._validation.CHECK_CU_SEQLENS_VALUES = False``), e.g. in latency-critical loops.
 
+seqused_k (0 <= seqused_k[b] <= the sequence's keys) and flash_attn_varlen_func's paged form
+(key counts at most max_seqlen_k, block_table entries of used pages in range) follow the
+cu_seqlens policy (:func:`check_seqused_k_values`, :func:`check_paged_varlen_values`).
+
 flash_attn_with_kvcache's index tensors (cache_seqlens, cache_leftpad, cache_batch_idx,
 block_table) follow the same policy (:func:`check_kvcache_values`, once per set of tensors and
 their versions), switched off with ``FLASH_EXT_CHECK_KVCACHE=0`` (``CHECK_KVCACHE_VALUES``).
@@ -86,6 +90,12 @@ __all__ = [
     "check_pad_inputs",
     "check_kvcache_inputs",
     "check_kvcache_values",
+    "check_block_table",
+    "check_seqused_k",
+    "check_seqused_k_values",
+    "check_forward_only",
+    "check_paged_varlen_inputs",
+    "check_paged_varlen_values",
 ]
 
 MAX_HEADDIM = 256
@@ -296,6 +306,52 @@ def check_max_seqlen(max_seqlen_q, max_seqlen_k, varlen: bool) -> None:
             raise FlashExtValueError(f"flash_ext: {name} must be >= 0; got {m}")
 
 
+def check_seqused_k(seqused_k: torch.Tensor, varlen: bool, cu_seqlens_k) -> None:
+    """seqused_k (FlashAttention-3's meaning: sequence b uses only its first seqused_k[b] keys):
+    varlen only, int32, shape (batch,). (Its device is :func:`check_devices`'s part; its values
+    :func:`check_seqused_k_values`'.)"""
+    if not varlen:
+        raise FlashExtValueError(
+            "flash_ext: seqused_k needs varlen inputs (cu_seqlens_q, cu_seqlens_k and "
+            "max_seqlen_q/k)")
+    if seqused_k.dtype != torch.int32:
+        raise FlashExtTypeError(
+            f"flash_ext: seqused_k must be int32; got {_dtype_name(seqused_k.dtype)}")
+    batch = cu_seqlens_k.shape[0] - 1
+    if seqused_k.dim() != 1 or seqused_k.shape[0] != batch:
+        raise FlashExtValueError(
+            f"flash_ext: seqused_k must have shape (batch,) = ({batch},); got {_shape(seqused_k)}")
+
+
+def check_seqused_k_values(seqused_k: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
+    """0 <= seqused_k[b] <= cu_seqlens_k[b + 1] - cu_seqlens_k[b] (one device op and one
+    transfer; callers decide with :func:`should_check_values` whether that is allowed)."""
+    used = seqused_k.to(torch.int64)
+    cu = cu_seqlens_k.to(used.device, torch.int64)
+    over = used - (cu[1:] - cu[:-1])
+    low, high = torch.stack([used.min(), over.max()]).tolist()
+    if low < 0:
+        raise FlashExtValueError(
+            f"flash_ext: seqused_k must be >= 0; got {_first_bad('seqused_k', seqused_k, used < 0)}")
+    if high > 0:
+        raise FlashExtValueError(
+            f"flash_ext: seqused_k[b] must be at most the keys of sequence b (cu_seqlens_k[b + 1] - "
+            f"cu_seqlens_k[b]); got {_first_bad('seqused_k', seqused_k, over > 0)} with "
+            f"cu_seqlens_k {cu_seqlens_k.tolist()}")
+
+
+FORWARD_ONLY = ("flash_ext: seqused_k / block_table: forward only (no backward), and q, k or v "
+                "requires grad. Call it under torch.no_grad() or with inputs that do not require "
+                "grad (detach them).")
+
+
+def check_forward_only(q, k, v) -> None:
+    """seqused_k and block_table have no backward: refuse a call autograd would record
+    (FlashExtNotImplementedError), before anything runs."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise FlashExtNotImplementedError(FORWARD_ONLY)
+
+
 # ----------------------------------------------------------------------------------------------
 # Scalars
 # ----------------------------------------------------------------------------------------------
@@ -467,17 +523,24 @@ def check_lse(lse: torch.Tensor, q: torch.Tensor, varlen: bool) -> None:
 def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] = (-1, -1),
                      softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
                      max_seqlen_q=None, max_seqlen_k=None, out=None, dropout_p=0.0,
-                     rng_state=None, require_cuda: bool = True) -> bool:
+                     rng_state=None, seqused_k=None, require_cuda: bool = True) -> bool:
     """All checks of one forward call (attn_fwd), in the order of the module docstring.
     Returns True for a varlen call."""
     check_dropout(dropout_p, rng_state)
     check_devices({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
-                   "cu_seqlens_k": cu_seqlens_k, "out": out}, require_cuda=require_cuda,
-                  required=("q", "k", "v"))
+                   "cu_seqlens_k": cu_seqlens_k, "out": out, "seqused_k": seqused_k},
+                  require_cuda=require_cuda, required=("q", "k", "v"))
     varlen = _check_attention_inputs(q, k, v, softmax_scale, window_size, softcap, cu_seqlens_q,
                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_like(out, q, "out", "q")
     check_out_without_grad(out, q, k, v)
+    if seqused_k is not None:
+        check_seqused_k(seqused_k, varlen, cu_seqlens_k)
+        check_forward_only(q, k, v)
+        if should_check_values(seqused_k) and not _values_checked_before(
+                "seqused_k", (seqused_k, cu_seqlens_k), ()):
+            check_seqused_k_values(seqused_k, cu_seqlens_k)
+            _remember_values_checked("seqused_k", (seqused_k, cu_seqlens_k), ())
     return varlen
 
 
@@ -578,9 +641,10 @@ def check_unsupported(fn: str, alibi_slopes, block_table=None) -> None:
     """FlashAttention arguments flash_ext does not implement (NotImplementedError)."""
     if alibi_slopes is not None:
         raise FlashExtNotImplementedError(f"flash_ext.{fn}: alibi_slopes are not supported yet")
-    if block_table is not None:
+    if block_table is not None:  # flash_attn_varlen_func and flash_attn_with_kvcache take it
         raise FlashExtNotImplementedError(
-            f"flash_ext.{fn}: block_table (paged KV cache) is not supported yet")
+            f"flash_ext.{fn}: block_table (paged KV cache) is not supported by this function; "
+            f"flash_attn_varlen_func and flash_attn_with_kvcache take it")
 
 
 def check_packed(fn: str, name: str, t, dim: int, n: int, ndim: int, layout: str) -> None:
@@ -766,6 +830,29 @@ def _check_cache_rows_aligned(fn: str, name: str, t: torch.Tensor) -> None:
             f"copied: allocate them with such strides.")
 
 
+def check_block_table(fn: str, block_table: torch.Tensor, batch: int, k_cache: torch.Tensor,
+                      page_multiple: int) -> int:
+    """block_table of a paged cache k_cache (num_pages, page_size, nheads_k, headdim): int32,
+    (batch, max_pages_per_seq), page_size a positive multiple of ``page_multiple``. Returns the
+    capacity of one sequence, max_pages_per_seq * page_size. (Shared by flash_attn_with_kvcache
+    and flash_attn_varlen_func.)"""
+    name = _kv_name(fn)
+    if block_table.dtype != torch.int32:
+        raise FlashExtTypeError(
+            f"{name}: block_table must be int32; got {_dtype_name(block_table.dtype)}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise FlashExtValueError(
+            f"{name}: block_table must have shape (batch, max_pages_per_seq) with batch = "
+            f"{batch}; got {_shape(block_table)}")
+    page_size = k_cache.shape[1]
+    if page_size < 1 or page_size % page_multiple != 0:
+        rule = f"a multiple of {page_multiple}" if page_multiple > 1 else ">= 1"
+        raise FlashExtValueError(
+            f"{name}: page size must be {rule}, got {page_size} (k_cache.shape[1] of a paged "
+            f"cache, with block_table)")
+    return block_table.shape[1] * page_size
+
+
 def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                          cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                          block_table=None, softmax_scale=None, causal=False,
@@ -842,19 +929,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
             raise FlashExtValueError(
                 f"{name}: cache_batch_idx cannot be used with block_table (a paged cache maps "
                 f"each sequence to its pages through block_table)")
-        if block_table.dtype != torch.int32:
-            raise FlashExtTypeError(
-                f"{name}: block_table must be int32; got {_dtype_name(block_table.dtype)}")
-        if block_table.dim() != 2 or block_table.shape[0] != b:
-            raise FlashExtValueError(
-                f"{name}: block_table must have shape (batch, max_pages_per_seq) with batch = "
-                f"{b}; got {_shape(block_table)}")
-        page_size = k_cache.shape[1]
-        if page_size < 1 or page_size % KVCACHE_PAGE_MULTIPLE != 0:
-            raise FlashExtValueError(
-                f"{name}: page size must be a multiple of {KVCACHE_PAGE_MULTIPLE}, got "
-                f"{page_size} (k_cache.shape[1] of a paged cache, with block_table)")
-        capacity = block_table.shape[1] * page_size
+        capacity = check_block_table(fn, block_table, b, k_cache, KVCACHE_PAGE_MULTIPLE)
     else:
         capacity = k_cache.shape[1]
         if cache_batch_idx is None and k_cache.shape[0] < b:
@@ -1077,3 +1152,104 @@ def _first_bad(arg: str, t: torch.Tensor, bad: torch.Tensor) -> str:
     """'arg[i] = value' for the first offending entry (an error path: syncs freely)."""
     i = int(bad.nonzero()[0, 0])
     return f"{arg}[{i}] = {int(t[i])}"
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_ext.flash_attn_varlen_func with block_table (prefill against a paged cache)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_paged_varlen_inputs(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, block_table, seqused_k=None, softmax_scale=None,
+                              window_size=(-1, -1), softcap=0.0, dropout_p=0.0,
+                              require_cuda: bool = True) -> None:
+    """The checks of a varlen call whose k and v are paged caches (num_pages, page_size,
+    nheads_k, headdim) read through block_table (batch, max_pages_per_seq): attn_fwd's checks
+    as they apply to q, the caches and the scalars; block_table as flash_attn_with_kvcache checks
+    it, but with any page size >= 1; seqused_k int32 (batch,); max_seqlen_k at most the capacity
+    max_pages_per_seq * page_size; forward only. Then the value checks, under the cu_seqlens
+    policy (module docstring): cu_seqlens_q as attn_fwd checks it, and
+    :func:`check_paged_varlen_values`."""
+    name = _kv_name(fn)
+    check_dropout(dropout_p)
+    check_devices({"q": q, "k": k_cache, "v": v_cache, "cu_seqlens_q": cu_seqlens_q,
+                   "cu_seqlens_k": cu_seqlens_k, "block_table": block_table,
+                   "seqused_k": seqused_k}, require_cuda=require_cuda,
+                  required=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "block_table"))
+    check_dtypes(q, k_cache, v_cache)
+    check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+    if q.dim() != 3:
+        raise FlashExtValueError(
+            f"{name}: q must be 3-D (total_q, nheads, headdim); got shape {_shape(q)}")
+    for arg, t in (("k", k_cache), ("v", v_cache)):
+        if t.dim() != 4:
+            raise FlashExtValueError(
+                f"{name}: with block_table, {arg} must be a paged cache, 4-D (num_pages, "
+                f"page_size, nheads_k, headdim); got shape {_shape(t)}")
+    if k_cache.shape != v_cache.shape:
+        raise FlashExtValueError(
+            f"{name}: k and v must have the same shape; got k {_shape(k_cache)} and v "
+            f"{_shape(v_cache)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    capacity = check_block_table(fn, block_table, batch, k_cache, 1)
+    # q against the caches' rows (num_pages, nheads_k, headdim): attn_fwd's rules (head dim,
+    # heads, contiguous last dim). page_size >= 1 here.
+    check_qkv_shapes(q, k_cache[:, 0], v_cache[:, 0], varlen=True)
+    if seqused_k is not None:
+        check_seqused_k(seqused_k, True, cu_seqlens_k)
+    check_max_seqlen(max_seqlen_q, max_seqlen_k, True)
+    if max_seqlen_k > capacity:
+        raise FlashExtValueError(
+            f"{name}: max_seqlen_k ({max_seqlen_k}) must be at most what block_table can "
+            f"address: max_pages_per_seq * page_size = {block_table.shape[1]} * "
+            f"{k_cache.shape[1]} = {capacity}")
+    check_softmax_scale(softmax_scale)
+    check_softcap(softcap)
+    check_window_size(window_size)
+    check_forward_only(q, k_cache, v_cache)
+    total_q = q.shape[0]
+    if should_check_values(cu_seqlens_q) and not _checked_before(cu_seqlens_q, total_q,
+                                                                  max_seqlen_q):
+        check_cu_seqlens_values(cu_seqlens_q, total_q, max_seqlen_q, "cu_seqlens_q")
+        _remember_checked(cu_seqlens_q, total_q, max_seqlen_q)
+    tensors = (cu_seqlens_k, block_table) + ((seqused_k,) if seqused_k is not None else ())
+    params = (int(max_seqlen_k), k_cache.shape[0], k_cache.shape[1])
+    if should_check_values(cu_seqlens_k) and not _values_checked_before("paged_varlen", tensors,
+                                                                        params):
+        check_paged_varlen_values(fn, cu_seqlens_k, block_table, seqused_k, max_seqlen_k,
+                                  k_cache.shape[0], k_cache.shape[1])
+        _remember_values_checked("paged_varlen", tensors, params)
+
+
+def check_paged_varlen_values(fn, cu_seqlens_k, block_table, seqused_k, max_seqlen_k: int,
+                              num_pages: int, page_size: int) -> None:
+    """Each sequence's key count (seqused_k[b] if given, else cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]) in [0, max_seqlen_k], and the block_table entries of the pages that hold
+    those keys in [0, num_pages). One device computation and one ``.tolist()``."""
+    name = _kv_name(fn)
+    i64 = torch.int64
+    device = block_table.device
+    cu = cu_seqlens_k.to(device, i64)
+    steps = cu[1:] - cu[:-1]
+    counts = seqused_k.to(device, i64) if seqused_k is not None else steps
+    pages_used = (counts.clamp(min=0) + page_size - 1) // page_size
+    column = torch.arange(block_table.shape[1], device=device).unsqueeze(0)
+    entries = block_table.to(i64)
+    bad = (column < pages_used.unsqueeze(1)) & ((entries < 0) | (entries >= num_pages))
+    min_step, min_count, max_count, n_bad = torch.stack(
+        [steps.min(), counts.min(), counts.max(), bad.sum()]).tolist()
+    if min_step < 0:
+        raise FlashExtValueError(
+            f"{name}: cu_seqlens_k must be non-decreasing; got {cu_seqlens_k.tolist()}")
+    what = "seqused_k" if seqused_k is not None else "the key count of a sequence"
+    if min_count < 0:
+        raise FlashExtValueError(f"{name}: seqused_k must be >= 0; got {seqused_k.tolist()}")
+    if max_count > max_seqlen_k:
+        raise FlashExtValueError(
+            f"{name}: max_seqlen_k ({max_seqlen_k}) is smaller than {what} ({max_count})")
+    if n_bad > 0:
+        where = bad.nonzero()[0].tolist()
+        raise FlashExtValueError(
+            f"{name}: block_table entries of the pages in use must lie in [0, num_pages = "
+            f"{num_pages}); got block_table[{where[0]}, {where[1]}] = "
+            f"{int(block_table[where[0], where[1]])} ({n_bad} bad entries)")

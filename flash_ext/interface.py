@@ -30,8 +30,16 @@ Arguments as FlashAttention takes them: window_size any length-2 sequence of int
 torch integer scalars) or a 2-element integer tensor; softcap <= 0 is off. Bad input raises a
 flash_ext.FlashExtError (a RuntimeError; also a ValueError / TypeError as fits).
 
+flash_attn_varlen_func also takes ``seqused_k`` (FlashAttention-3's meaning: sequence b uses
+only its first seqused_k[b] keys) and ``block_table`` (FlashAttention-2's paged KV: k and v are
+caches (num_pages, page_size, nheads_k, headdim) and sequence b's key j is row j % page_size of
+page block_table[b, j // page_size]), for prefill and chunked prefill against a paged cache.
+Both are forward only (FlashExtNotImplementedError when q, k or v requires grad). Version 1 of
+block_table gathers the used pages into a padded contiguous K and V first (flash_ext/paged_kv.py:
+O(batch * max_seqlen_k) extra memory, no host sync), then runs the varlen forward.
+
 Not supported yet by the functions above (FlashExtNotImplementedError, a NotImplementedError):
-alibi_slopes, block_table (paged KV); flash_attn_with_kvcache takes both.
+alibi_slopes (flash_attn_with_kvcache takes it).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import math
 
 import torch
 
-from flash_ext import _fast_args, _validation, attn_fwd, ops
+from flash_ext import _attn_fwd_checked, _fast_args, _validation, attn_fwd, ops, paged_kv
 from flash_ext.kvcache import flash_attn_with_kvcache  # noqa: F401  (exported)
 from flash_ext.reference import local_mask
 
@@ -61,7 +69,8 @@ def _unpack(fn: str, name: str, t: torch.Tensor, dim: int, n: int, ndim: int, la
 
 
 def _dropped_probs(q, k, lse, rng_state, dropout_p, softmax_scale, causal, window_size, softcap,
-                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                   seqused_k=None):
     """S_dmask of return_attn_probs with dropout: P * keep / (1 - p) in float32, (batch, heads,
     seqlen_q, seqlen_k), keep from the kernels' own mask op. O(N^2) memory: testing only."""
     with torch.no_grad():
@@ -91,19 +100,22 @@ def _dropped_probs(q, k, lse, rng_state, dropout_p, softmax_scale, causal, windo
             return p * keep * keep_scale
         cq = [int(x) for x in cu_seqlens_q.tolist()]
         ck = [int(x) for x in cu_seqlens_k.tolist()]
+        used = None if seqused_k is None else [int(x) for x in seqused_k.tolist()]
         b, mq, mk = len(cq) - 1, int(max_seqlen_q), int(max_seqlen_k)
         keep = ops._dropout_mask(q, rng_state, b, hq, mq, mk, float(dropout_p))
         out = torch.zeros(b, hq, mq, mk, dtype=torch.float32, device=q.device)
         for i in range(b):
-            q0, q1, k0, k1 = cq[i], cq[i + 1], ck[i], ck[i + 1]
+            q0, q1, k0 = cq[i], cq[i + 1], ck[i]
+            k1 = ck[i + 1] if used is None else k0 + used[i]
             if q1 > q0 and k1 > k0:
                 out[i, :, :q1 - q0, :k1 - k0] = probs(q[q0:q1], k[k0:k1], lse[:, q0:q1])
         return out * keep * keep_scale
 
 
-def _run(q, k, v, dropout_p, return_attn_probs: bool, **kw):
-    """attn_fwd, then the FlashAttention return convention: out, or (out, lse, S_dmask)."""
-    res = attn_fwd(q, k, v, dropout_p=dropout_p, **kw)
+def _run(q, k, v, dropout_p, return_attn_probs: bool, fwd=attn_fwd, **kw):
+    """attn_fwd (or ``fwd``, with its keywords), then the FlashAttention return convention:
+    out, or (out, lse, S_dmask)."""
+    res = fwd(q, k, v, dropout_p=dropout_p, **kw)
     out, lse = res[0], res[1]
     if not return_attn_probs:
         return out
@@ -113,7 +125,8 @@ def _run(q, k, v, dropout_p, return_attn_probs: bool, **kw):
         q, k, lse, res[2], dropout_p, kw.get("softmax_scale"), kw.get("causal", False),
         _validation.window_pair(kw.get("window_size", (-1, -1))), kw.get("softcap", 0.0),
         kw.get("cu_seqlens_q"),
-        kw.get("cu_seqlens_k"), kw.get("max_seqlen_q"), kw.get("max_seqlen_k"))
+        kw.get("cu_seqlens_k"), kw.get("max_seqlen_q"), kw.get("max_seqlen_k"),
+        kw.get("seqused_k"))
     return out, lse, s_dmask
 
 
@@ -170,14 +183,59 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None,
+                           seqused_k=None):
     """q (total_q, hq, d), k and v (total_k, hkv, d), cu_seqlens int32 (batch + 1,)
-    -> out (total_q, hq, d) [or (out, lse (hq, total_q), S_dmask)]."""
-    _validation.check_unsupported("flash_attn_varlen_func", alibi_slopes, block_table)
+    -> out (total_q, hq, d) [or (out, lse (hq, total_q), S_dmask)].
+
+    seqused_k: optional int32 (batch,): sequence b uses only its first seqused_k[b] keys (of
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b]); masks align bottom-right to that count.
+
+    block_table: optional int32 (batch, max_pages_per_seq): k and v are then paged caches
+    (num_pages, page_size, hkv, d), any page_size >= 1, and sequence b's key j is row
+    j % page_size of page block_table[b, j // page_size]. cu_seqlens_k gives each sequence's key
+    count (its steps; FlashAttention-2's convention) unless seqused_k is given, which then sets
+    the counts (0 <= count <= max_seqlen_k <= max_pages_per_seq * page_size). Chunked prefill:
+    the new tokens' k and v are already in the cache, cu_seqlens_q counts the new queries, the
+    key count covers the cached tokens plus the new ones, and causal aligns bottom-right.
+    Version 1 gathers the first max_seqlen_k slots of every sequence into a padded contiguous
+    K and V (O(batch * max_seqlen_k * hkv * d) extra memory, one vectorized index, no host
+    sync: it captures in CUDA graphs and compiles), then runs the varlen forward.
+
+    With either, the call is forward only: FlashExtNotImplementedError when q, k or v requires
+    grad (grad mode on)."""
+    fn = "flash_attn_varlen_func"
+    _validation.check_unsupported(fn, alibi_slopes)
+    if block_table is not None:
+        return _varlen_paged(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             block_table, seqused_k, dropout_p, return_attn_probs,
+                             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                             softcap=softcap, deterministic=deterministic)
+    kw = {} if seqused_k is None else {"seqused_k": seqused_k}
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap,
                 deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                **kw)
+
+
+def _varlen_paged(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, block_table, seqused_k, dropout_p, return_attn_probs, **kw):
+    """flash_attn_varlen_func with block_table: the checks, the gather into a padded varlen
+    K and V (flash_ext/paged_kv.py), then the varlen forward with each sequence's key count as
+    seqused_k. The forward skips attn_fwd's checks (done here, on the caller's tensors): its
+    cu_seqlens_k and seqused_k are new tensors every call, whose value checks would sync."""
+    _validation.check_paged_varlen_inputs(
+        fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        block_table, seqused_k, kw["softmax_scale"], kw["window_size"], kw["softcap"], dropout_p)
+    mk = int(max_seqlen_k)
+    batch = cu_seqlens_q.shape[0] - 1
+    k, v = paged_kv.gather_paged_kv(k_cache, v_cache, block_table, mk)
+    return _run(q, k, v, dropout_p, return_attn_probs, fwd=_attn_fwd_checked,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=paged_kv.padded_cu_seqlens(batch, mk, q.device),
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=mk,
+                seqused_k=paged_kv.used_key_counts(cu_seqlens_k, seqused_k), **kw)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

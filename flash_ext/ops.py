@@ -4,9 +4,15 @@ Importing ``flash_ext._C`` registers, in C++ (csrc/ops_*.cpp):
 
     torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, softcap,
-                            dropout_p=0.0, rng_state=None, deterministic=False) -> (out, lse)
+                            dropout_p=0.0, rng_state=None, deterministic=False,
+                            seqused_k=None) -> (out, lse)
     torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, ...as fwd, without
                             deterministic...) -> lse   (writes out)
+
+``seqused_k`` (varlen only, int32 (batch,) on q's device, forward only): sequence b uses only
+its first seqused_k[b] keys, 0 <= seqused_k[b] <= cu_seqlens_k[b+1] - cu_seqlens_k[b]; causal
+and local masks align bottom-right to that length (FlashAttention-3's meaning). The autograd
+kernel refuses it when a graph would be recorded (no backward reads it).
     torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, causal, window_left, window_right,
                             softcap, deterministic, dropout_p=0.0, rng_state=None) -> (dq, dk, dv)
@@ -122,7 +128,7 @@ def _nothing_to_do(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q:
 @torch.library.register_fake("flash_ext::fwd")
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
               causal, window_left, window_right, softcap, dropout_p=0.0, rng_state=None,
-              deterministic=False):
+              deterministic=False, seqused_k=None):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -131,7 +137,7 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 @torch.library.register_fake("flash_ext::fwd_out")
 def _fwd_out_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-                  rng_state=None):
+                  rng_state=None, seqused_k=None):
     return q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
@@ -208,7 +214,8 @@ def _no_attention(q, k, v, cu_seqlens_q, out=None):
 _fwd = torch.ops.flash_ext.fwd.default
 """torch.ops.flash_ext.fwd (differentiable): (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-rng_state=None, deterministic=False) -> (out, lse)."""
+rng_state=None, deterministic=False, seqused_k=None) -> (out, lse). Callers pass seqused_k by
+keyword."""
 
 _fwd_out = torch.ops.flash_ext.fwd_out.default
 """torch.ops.flash_ext.fwd_out: as _fwd with out after v (written) and without deterministic;

@@ -28,11 +28,11 @@ SCHEMAS = (
     ("fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
      "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, "
      "int window_right, float softcap, float dropout_p=0.0, Tensor? rng_state=None, "
-     "bool deterministic=False) -> (Tensor out, Tensor lse)", ()),
+     "bool deterministic=False, Tensor? seqused_k=None) -> (Tensor out, Tensor lse)", ()),
     ("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? cu_seqlens_q, "
      "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
      "bool causal, int window_left, int window_right, float softcap, float dropout_p=0.0, "
-     "Tensor? rng_state=None) -> Tensor", ()),
+     "Tensor? rng_state=None, Tensor? seqused_k=None) -> Tensor", ()),
     ("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
      "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
      "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
@@ -79,7 +79,11 @@ def _nothing_to_do(q, k, varlen: bool, max_seqlen_q: int, max_seqlen_k: int) -> 
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-     window_left, window_right, softcap, dropout_p, rng_state, deterministic) = inputs
+     window_left, window_right, softcap, dropout_p, rng_state, deterministic) = inputs[:15]
+    if inputs[15] is not None:  # seqused_k: forward only (the C++ formula refuses it too)
+        raise RuntimeError("flash_ext: seqused_k / block_table: forward only (no backward); q, k "
+                           "or v requires grad. Call it under torch.no_grad() or with inputs "
+                           "that do not require grad")
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
@@ -93,7 +97,7 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
      deterministic, dropout_p) = ctx.args
     if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
-        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 12
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 13
     if grad_out is None:  # out does not reach the loss
         grad_out = torch.zeros_like(out, memory_format=torch.contiguous_format)
     elif not _rows_aligned(grad_out):
@@ -102,7 +106,7 @@ def _fwd_backward(ctx, grad_out, grad_lse):
                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                     window_left, window_right, softcap, deterministic, dropout_p,
                                     rng_state)
-    return tuple(grads) + (None,) * 12  # one slot per argument of fwd (15)
+    return tuple(grads) + (None,) * 13  # one slot per argument of fwd (16)
 
 
 def install(autograd: bool = True) -> None:

@@ -67,7 +67,8 @@ class CpuKernels:
 
     def fwd(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-            rng_state=None, deterministic=False):
+            rng_state=None, deterministic=False, seqused_k=None):
+        assert seqused_k is None, "tests/test_paged_prefill.py covers seqused_k"
         self.calls.append(("fwd", deterministic))
         out, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                  window_left, window_right, softcap, dropout_p)
@@ -75,7 +76,8 @@ class CpuKernels:
 
     def fwd_out(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-                rng_state=None):
+                rng_state=None, seqused_k=None):
+        assert seqused_k is None, "tests/test_paged_prefill.py covers seqused_k"
         self.calls.append(("fwd_out", None))
         o, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                window_left, window_right, softcap, dropout_p)
@@ -150,8 +152,11 @@ def close(actual, want, dtype=torch.float16):
 def test_fwd_schema_has_deterministic():
     schema = torch.ops.flash_ext.fwd.default._schema
     names = [a.name for a in schema.arguments]
-    assert names[-3:] == ["dropout_p", "rng_state", "deterministic"], schema
-    det = schema.arguments[-1]
+    # Optional tensors appended after deterministic (seqused_k, ...) default to None.
+    assert names[12:15] == ["dropout_p", "rng_state", "deterministic"], schema
+    assert "seqused_k" in names[15:], schema
+    assert all(a.default_value is None for a in schema.arguments[15:]), schema
+    det = schema.arguments[14]
     assert str(det.type) == "bool" and det.default_value is False, schema
     assert [r.name for r in schema.returns] == ["out", "lse"], schema
 

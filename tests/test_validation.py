@@ -460,9 +460,10 @@ def test_alibi_not_implemented(seed):
         flash_ext.flash_attn_qkvpacked_func(t(2, 16, 3, 4, 64), alibi_slopes=torch.ones(4))
 
 
-def test_block_table_not_implemented(seed):
+def test_block_table_needs_paged_caches(seed, meta_ok):
+    # block_table is supported (tests/test_paged_prefill.py); plain varlen k, v do not go with it.
     q, k, v, kw = varlen_inputs()
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="with block_table, k must be a paged cache"):
         flash_ext.flash_attn_varlen_func(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"],
                                          kw["max_seqlen_q"], kw["max_seqlen_k"],
                                          block_table=torch.zeros(3, 1, dtype=torch.int32))

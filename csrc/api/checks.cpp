@@ -32,6 +32,16 @@ void check_rows_aligned(const at::Tensor& t, const char* name) {
                   " must be 16-byte aligned");
 }
 
+void check_seqused_k(const at::Tensor& seqused_k, const at::Tensor& q, const AttnShape& s) {
+  FLASH_EXT_CHECK(s.varlen, "flash_ext: seqused_k needs varlen inputs (cu_seqlens_q and cu_seqlens_k)");
+  FLASH_EXT_CHECK(seqused_k.scalar_type() == at::kInt, "flash_ext: seqused_k must be int32; got ",
+                  seqused_k.scalar_type());
+  FLASH_EXT_CHECK(seqused_k.dim() == 1 && seqused_k.size(0) == s.batch, "flash_ext: seqused_k must have shape (batch,) = (",
+                  s.batch, ",); got ", seqused_k.sizes());
+  FLASH_EXT_CHECK(seqused_k.device() == q.device(), "flash_ext: seqused_k must be on q's device");
+  FLASH_EXT_CHECK(seqused_k.is_contiguous(), "flash_ext: seqused_k must be contiguous");
+}
+
 AttnShape check_attention_inputs(const AttnTensors& t, const std::optional<at::Tensor>& cu_seqlens_q,
                                  const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
                                  int64_t max_seqlen_k, double softmax_scale, double softcap,

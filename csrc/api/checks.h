@@ -35,6 +35,10 @@ AttnShape check_attention_inputs(const AttnTensors& t, const std::optional<at::T
                                  int64_t max_seqlen_k, double softmax_scale, double softcap,
                                  int64_t window_left, int64_t window_right);
 
+// seqused_k (forward only, varlen only): int32 (batch,), contiguous, on q's device. Its values
+// (0 <= seqused_k[b] <= the sequence's key count) are the caller's promise: not read here (no sync).
+void check_seqused_k(const at::Tensor& seqused_k, const at::Tensor& q, const AttnShape& s);
+
 // The kernels' vector loads and stores need a contiguous last dimension, every other stride a
 // multiple of 8 elements (16-byte aligned rows) and a 16-byte aligned base.
 void check_rows_aligned(const at::Tensor& t, const char* name);

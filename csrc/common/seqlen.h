@@ -17,7 +17,8 @@ struct SeqInfo {
       const int q_start = p.cu_seqlens_q[batch];
       const int k_start = p.cu_seqlens_k[batch];
       seqlen_q = p.cu_seqlens_q[batch + 1] - q_start;
-      seqlen_k = p.cu_seqlens_k[batch + 1] - k_start;
+      // seqused_k: only the first seqused_k[batch] keys of the sequence take part.
+      seqlen_k = p.seqused_k != nullptr ? p.seqused_k[batch] : p.cu_seqlens_k[batch + 1] - k_start;
       q_offset = int64_t(q_start) * p.q_row_stride;
       o_offset = int64_t(q_start) * p.o_row_stride;
       k_offset = int64_t(k_start) * p.k_row_stride;

@@ -51,6 +51,10 @@ KernelPath resolve(PathChoice forced, bool sm90_ok) {
 bool tma_compatible(const FwdParams& p) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   const bool keys = varlen ? (p.total_k > 0 && p.total_q > 0) : p.seqlen_k > 0;
+  // seqused_k: a map spans all packed keys, so the last key block of a sequence would load the
+  // unused rows after its used keys, and P = 0 times a NaN there is NaN in O (the sm80 kernel
+  // zero-fills rows past seqlen_k instead).
+  if (p.seqused_k != nullptr) return false;
   const bool batch_strides = varlen || p.batch == 1 ||
                              (p.q_batch_stride > 0 && p.k_batch_stride > 0 && p.v_batch_stride > 0);
   return keys && batch_strides && p.q_row_stride > 0 && p.k_row_stride > 0 && p.v_row_stride > 0 &&
@@ -61,6 +65,10 @@ KernelChoice choose_fwd_kernel(const FwdParams& p, const DeviceInfo& dev, const 
   const int sm90_kd = kernel_head_dim<Family::kFwdSm90>(p.head_dim);
   const bool sm90_ok = dev.major == 9 && sm90_kd != 0 && dtype_built(p.is_bf16) && tma_compatible(p) &&
                        !(p.dropout_p > 0.f);
+  if (o.fwd_path == PathChoice::kSm90 && p.seqused_k != nullptr) {
+    raise_error("flash_ext: FLASH_EXT_FWD_PATH=sm90 cannot run seqused_k (or block_table): the Hopper forward's "
+                "tensor maps would read the unused keys; unset FLASH_EXT_FWD_PATH (these calls run the sm80 kernel)");
+  }
   const KernelPath path = resolve(o.fwd_path, sm90_ok);
   if (path == KernelPath::kSm90) {
     if (!sm90_ok) {

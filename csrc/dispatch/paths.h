@@ -19,7 +19,8 @@ struct KernelChoice {
 };
 
 // TMA tensor maps need non-empty extents and non-zero strides (broadcast tensors with stride 0
-// and calls without keys go to the sm80 kernel, which handles both).
+// and calls without keys go to the sm80 kernel, which handles both); nor can they bound a
+// sequence's used keys (seqused_k: those calls run the sm80 kernel too).
 bool tma_compatible(const FwdParams& p);
 
 // Forward: the Hopper kernel on sm90 devices where this build has it for the head dim and dtype,
