@@ -5,6 +5,11 @@
 // an elementwise mask come first). K of the next block streams in (cp.async) while this block's
 // softmax and P V run; V of this block streams in while Q K^T runs.
 //
+// FlashMask (p.has_flashmask, a runtime mode of the windowed variant only; common/flashmask.h):
+// the walk visits the same range but skips the key blocks whose summary says every entry is
+// masked for this tile's rows (no loads, no MMA: K is prefetched for the next visible block), and
+// on the blocks it cannot classify as unmasked it applies the interval mask after the usual one.
+//
 // kDropout (dropout_p > 0, common/dropout.h): after the online softmax of a block (whose row
 // sums use the un-dropped P, so l and lse are those of the plain softmax), dropped entries of P
 // are zeroed before P V; the 1 / (1 - p) of the kept ones is folded into the final 1 / l.
@@ -13,6 +18,7 @@
 
 #include "common/copy.h"
 #include "common/dropout.h"
+#include "common/flashmask_tile.h"
 #include "common/fragment.h"
 #include "common/mask.h"
 #include "common/seqlen.h"
@@ -49,6 +55,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                                                       p.window_right);
   int n_min, n_max;
   mask.key_block_range(m_block, n_min, n_max);
+
+  // FlashMask: this tile's query rows [fm_r0, fm_r1) and its mask head's view.
+  const int fm_r0 = m_block * kBlockM, fm_r1 = fm_r0 + min(kBlockM, rows_q);
+  FlashMaskTile<kBlockN> fm;
+  if constexpr (kHasWindow) {
+    if (p.has_flashmask) fm = FlashMaskTile<kBlockN>(p.fm, p.cu_seqlens_k, batch, head / p.fm.group);
+  }
+  // The first block to visit at or below n_block: n_block itself unless FlashMask skips it;
+  // below n_min when none is left.
+  auto visible_from = [&](int n_block) {
+    if constexpr (kHasWindow) {
+      if (p.has_flashmask) {
+        while (n_block >= n_min && fm.classify(n_block, fm_r0, fm_r1) == kFmSkip) --n_block;
+      }
+    }
+    return n_block;
+  };
 
   // Global memory views of this CTA's tiles.
   const Element* q_base = static_cast<const Element*>(p.q) + seq.q_offset + head * p.q_head_stride;
@@ -119,8 +142,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
                         p.dropout_threshold);  // used only when kDropout
 
-  // One key block: S = Q K^T, mask, online softmax, O += P V.
-  auto step = [&](int n_block, auto is_first) {
+  // One key block: S = Q K^T, mask, online softmax, O += P V; K of block `next` (the next one
+  // visited, below n_min: none) streams in meanwhile.
+  auto step = [&](int n_block, int next, auto is_first) {
     constexpr bool kFirst = decltype(is_first)::value;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
@@ -134,12 +158,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
     Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
     if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
+    if constexpr (kHasWindow) {
+      if (p.has_flashmask && fm.classify(n_block, fm_r0, fm_r1) == kFmPartial) {
+        fm.apply(scores, cS_rows, fm_r0, n_block);
+      }
+    }
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] landed; every warp is done reading K
-    if (n_block > n_min) {
-      load_tile_async(gmem_thr.partition_S(gK_block(n_block - 1)), tKsK, tKVc,
-                      seq.seqlen_k - (n_block - 1) * kBlockN, p.head_dim);
+    if (next >= n_min) {
+      load_tile_async(gmem_thr.partition_S(gK_block(next)), tKsK, tKVc, seq.seqlen_k - next * kBlockN,
+                      p.head_dim);
       cp_async_fence();
     }
 
@@ -154,13 +183,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     gemm_rs(mma, acc_o, tOrP, tOrVt, tOsVt, s2r_v, tid);
   };
 
-  if (n_min < n_max) {
+  const int n_first = visible_from(n_max - 1);
+  if (n_first >= n_min) {
     load_tile_async(gmem_thr.partition_S(gQ), tQsQ, tQc, rows_q, p.head_dim);
-    load_tile_async(gmem_thr.partition_S(gK_block(n_max - 1)), tKsK, tKVc,
-                    seq.seqlen_k - (n_max - 1) * kBlockN, p.head_dim);
+    load_tile_async(gmem_thr.partition_S(gK_block(n_first)), tKsK, tKVc, seq.seqlen_k - n_first * kBlockN,
+                    p.head_dim);
     cp_async_fence();
-    step(n_max - 1, cute::true_type{});
-    for (int n_block = n_max - 2; n_block >= n_min; --n_block) step(n_block, cute::false_type{});
+    int next = visible_from(n_first - 1);
+    step(n_first, next, cute::true_type{});
+    for (int n_block = next; n_block >= n_min; n_block = next) {
+      next = visible_from(n_block - 1);
+      step(n_block, next, cute::false_type{});
+    }
   }
   // else: no visible key at all; the epilogue writes zeros and lse = -inf.
 
