@@ -13,8 +13,9 @@ constexpr int64_t kFmChunk = 128;  // nb's column padding and R's rounding (comm
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// What every caller of kernel A needs of the bounds (the op's and the testing op's checks).
-void check_bounds_structure(const at::Tensor& bounds, bool varlen, bool causal) {
+}  // namespace
+
+void check_flashmask_bounds(const at::Tensor& bounds, bool varlen, bool causal) {
   FLASH_EXT_CHECK(bounds.is_cuda(), "flash_ext: startend_row_indices must be a CUDA tensor");
   FLASH_EXT_CHECK(bounds.scalar_type() == at::kInt, "flash_ext: startend_row_indices must be int32; got ",
                   bounds.scalar_type());
@@ -36,11 +37,9 @@ void check_bounds_structure(const at::Tensor& bounds, bool varlen, bool causal) 
                   "flash_ext: startend_row_indices: batch and heads must be <= 65535");
 }
 
-}  // namespace
-
 void check_flashmask_inputs(const at::Tensor& bounds, const at::Tensor& q, const AttnShape& s, bool causal,
                             int64_t window_left, int64_t window_right, double dropout_p) {
-  check_bounds_structure(bounds, s.varlen, causal);
+  check_flashmask_bounds(bounds, s.varlen, causal);
   FLASH_EXT_CHECK(bounds.device() == q.device(), "flash_ext: startend_row_indices must be on q's device (",
                   q.device(), "); got ", bounds.device());
   const int64_t hm = bounds.size(-3);
@@ -80,6 +79,9 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
   const int64_t blocks = varlen ? total_k / block_n + batch + 1 : batch * v.blocks_per_batch;
   v.nb_head_stride = cols;
   v.kbs_head_stride = blocks;
+  // The kernels index both in int32 (common/flashmask_tile.h).
+  FLASH_EXT_CHECK(hm * cols < (int64_t(1) << 31) && 2 * hm * blocks < (int64_t(1) << 31),
+                  "flash_ext: startend_row_indices: too many columns for FlashMask's int32 indices");
 
   // One allocation: nb (4 int32 per column), then kbs (8 per block); both 16-byte aligned.
   const int64_t nb_ints = hm * cols * 4, kbs_ints = hm * blocks * 8;

@@ -14,6 +14,10 @@
 
 namespace flash_ext {
 
+// What every user of kernel A needs of the bounds: an int32 CUDA tensor, (batch, hm, seqlen_k, C)
+// or varlen (hm, total_k, C), C fitting `causal`, last dim contiguous.
+void check_flashmask_bounds(const at::Tensor& bounds, bool varlen, bool causal);
+
 // startend_row_indices of an attention call: int32 on q's device, (batch, hm, seqlen_k, C) or
 // varlen (hm, total_k, C), hm in {1, heads_kv}, C in {1, 2} with causal and {2, 4} without,
 // last dim contiguous; no dropout; window (-1, -1), or (-1, 0) with causal.

@@ -56,23 +56,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   int n_min, n_max;
   mask.key_block_range(m_block, n_min, n_max);
 
-  // FlashMask: this tile's query rows [fm_r0, fm_r1) and its mask head's view.
-  const int fm_r0 = m_block * kBlockM, fm_r1 = fm_r0 + min(kBlockM, rows_q);
-  FlashMaskTile<kBlockN> fm;
-  if constexpr (kHasWindow) {
-    if (p.has_flashmask) fm = FlashMaskTile<kBlockN>(p.fm, p.cu_seqlens_k, batch, head / p.fm.group);
-  }
-  // The first block to visit at or below n_block: n_block itself unless FlashMask skips it;
-  // below n_min when none is left.
-  auto visible_from = [&](int n_block) {
-    if constexpr (kHasWindow) {
-      if (p.has_flashmask) {
-        while (n_block >= n_min && fm.classify(n_block, fm_r0, fm_r1) == kFmSkip) --n_block;
-      }
-    }
-    return n_block;
-  };
-
   // Global memory views of this CTA's tiles.
   const Element* q_base = static_cast<const Element*>(p.q) + seq.q_offset + head * p.q_head_stride;
   const Element* k_base = static_cast<const Element*>(p.k) + seq.k_offset + head_kv * p.k_head_stride;
@@ -142,8 +125,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
                         p.dropout_threshold);  // used only when kDropout
 
-  // One key block: S = Q K^T, mask, online softmax, O += P V; K of block `next` (the next one
-  // visited, below n_min: none) streams in meanwhile.
+  // FlashMask: a runtime mode of the windowed dropout-free variant (kFmVariant) only; this
+  // tile's query rows (within the sequence) are [m_block * kBlockM, fm_r1).
+  constexpr bool kFmVariant = kHasWindow && !kDropout;
+  bool flashmask = false;
+  if constexpr (kFmVariant) flashmask = p.has_flashmask;
+  const FlashMaskTile<kBlockN> fm{p.fm, p.cu_seqlens_k};
+  const int fm_r1 = m_block * kBlockM + min(kBlockM, rows_q);
+  // The first block to visit at or below n_block (below n_min: none left).
+  auto visible_from = [&](int n_block) {
+    if (flashmask) {
+      while (n_block >= n_min && fm.classify(n_block, m_block * kBlockM, fm_r1) == kFmSkip) --n_block;
+    }
+    return n_block;
+  };
+
+  // One key block: S = Q K^T, mask, online softmax, O += P V; K of the next block visited
+  // (kFmVariant: `next`, below n_min: none; else n_block - 1) streams in meanwhile.
   auto step = [&](int n_block, int next, auto is_first) {
     constexpr bool kFirst = decltype(is_first)::value;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -158,17 +156,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
     Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
     if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
-    if constexpr (kHasWindow) {
-      if (p.has_flashmask && fm.classify(n_block, fm_r0, fm_r1) == kFmPartial) {
-        fm.apply(scores, cS_rows, fm_r0, n_block);
+    if constexpr (kFmVariant) {
+      if (flashmask && fm.classify(n_block, m_block * kBlockM, fm_r1) == kFmPartial) {
+        fm.apply(scores, cS_rows, m_block * kBlockM, n_block);
       }
     }
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] landed; every warp is done reading K
-    if (next >= n_min) {
-      load_tile_async(gmem_thr.partition_S(gK_block(next)), tKsK, tKVc, seq.seqlen_k - next * kBlockN,
-                      p.head_dim);
+    if constexpr (kFmVariant) {
+      if (next >= n_min) {
+        load_tile_async(gmem_thr.partition_S(gK_block(next)), tKsK, tKVc, seq.seqlen_k - next * kBlockN,
+                        p.head_dim);
+        cp_async_fence();
+      }
+    } else if (n_block > n_min) {
+      load_tile_async(gmem_thr.partition_S(gK_block(n_block - 1)), tKsK, tKVc,
+                      seq.seqlen_k - (n_block - 1) * kBlockN, p.head_dim);
       cp_async_fence();
     }
 
@@ -183,18 +187,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     gemm_rs(mma, acc_o, tOrP, tOrVt, tOsVt, s2r_v, tid);
   };
 
-  const int n_first = visible_from(n_max - 1);
-  if (n_first >= n_min) {
-    load_tile_async(gmem_thr.partition_S(gQ), tQsQ, tQc, rows_q, p.head_dim);
-    load_tile_async(gmem_thr.partition_S(gK_block(n_first)), tKsK, tKVc, seq.seqlen_k - n_first * kBlockN,
-                    p.head_dim);
-    cp_async_fence();
-    int next = visible_from(n_first - 1);
-    step(n_first, next, cute::true_type{});
-    for (int n_block = next; n_block >= n_min; n_block = next) {
-      next = visible_from(n_block - 1);
-      step(n_block, next, cute::false_type{});
+  if constexpr (kFmVariant) {
+    // The walk over the blocks that FlashMask does not skip (all of them without it).
+    const int n_first = visible_from(n_max - 1);
+    if (n_first >= n_min) {
+      load_tile_async(gmem_thr.partition_S(gQ), tQsQ, tQc, rows_q, p.head_dim);
+      load_tile_async(gmem_thr.partition_S(gK_block(n_first)), tKsK, tKVc, seq.seqlen_k - n_first * kBlockN,
+                      p.head_dim);
+      cp_async_fence();
+      int next = visible_from(n_first - 1);
+      step(n_first, next, cute::true_type{});
+      for (int n_block = next; n_block >= n_min; n_block = next) {
+        next = visible_from(n_block - 1);
+        step(n_block, next, cute::false_type{});
+      }
     }
+  } else if (n_min < n_max) {
+    load_tile_async(gmem_thr.partition_S(gQ), tQsQ, tQc, rows_q, p.head_dim);
+    load_tile_async(gmem_thr.partition_S(gK_block(n_max - 1)), tKsK, tKVc,
+                    seq.seqlen_k - (n_max - 1) * kBlockN, p.head_dim);
+    cp_async_fence();
+    step(n_max - 1, 0, cute::true_type{});
+    for (int n_block = n_max - 2; n_block >= n_min; --n_block) step(n_block, 0, cute::false_type{});
   }
   // else: no visible key at all; the epilogue writes zeros and lse = -inf.
 
