@@ -67,7 +67,8 @@ class CpuKernels:
 
     def fwd(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-            rng_state=None, deterministic=False):
+            rng_state=None, deterministic=False, startend_row_indices=None):
+        assert startend_row_indices is None, "the CPU kernels have no FlashMask"
         self.calls.append(("fwd", deterministic))
         out, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                  window_left, window_right, softcap, dropout_p)
@@ -75,7 +76,8 @@ class CpuKernels:
 
     def fwd_out(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-                rng_state=None):
+                rng_state=None, startend_row_indices=None):
+        assert startend_row_indices is None, "the CPU kernels have no FlashMask"
         self.calls.append(("fwd_out", None))
         o, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                window_left, window_right, softcap, dropout_p)
@@ -97,7 +99,8 @@ class CpuKernels:
 
     def bwd(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-            deterministic, dropout_p=0.0, rng_state=None):
+            deterministic, dropout_p=0.0, rng_state=None, startend_row_indices=None):
+        assert startend_row_indices is None, "the CPU kernels have no FlashMask"
         self.calls.append(("bwd", deterministic))
         assert dropout_p == 0.0, "the CPU kernels have no dropout"
         args = (softmax_scale, causal, window_left, window_right, softcap)
@@ -150,8 +153,8 @@ def close(actual, want, dtype=torch.float16):
 def test_fwd_schema_has_deterministic():
     schema = torch.ops.flash_ext.fwd.default._schema
     names = [a.name for a in schema.arguments]
-    assert names[-3:] == ["dropout_p", "rng_state", "deterministic"], schema
-    det = schema.arguments[-1]
+    assert names[-4:] == ["dropout_p", "rng_state", "deterministic", "startend_row_indices"], schema
+    det = schema.arguments[-2]
     assert str(det.type) == "bool" and det.default_value is False, schema
     assert [r.name for r in schema.returns] == ["out", "lse"], schema
 
