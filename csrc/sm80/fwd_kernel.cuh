@@ -130,19 +130,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   constexpr bool kFmVariant = kHasWindow && !kDropout;
   bool flashmask = false;
   if constexpr (kFmVariant) flashmask = p.has_flashmask;
-  const FlashMaskTile<kBlockN> fm{p.fm, p.cu_seqlens_k};
+  FlashMaskTile<kBlockN> fm;
+  if (flashmask) fm = FlashMaskTile<kBlockN>(p.fm, p.cu_seqlens_k, batch, head / p.fm.group);
   const int fm_r1 = m_block * kBlockM + min(kBlockM, rows_q);
   // The first block to visit at or below n_block (below n_min: none left).
   auto visible_from = [&](int n_block) {
     if (flashmask) {
-      while (n_block >= n_min && fm.classify(n_block, m_block * kBlockM, fm_r1) == kFmSkip) --n_block;
+      while (n_block >= n_min && fm.classify(p.fm, n_block, m_block * kBlockM, fm_r1) == kFmSkip) --n_block;
     }
     return n_block;
   };
 
-  // One key block: S = Q K^T, mask, online softmax, O += P V; K of the next block visited
-  // (kFmVariant: `next`, below n_min: none; else n_block - 1) streams in meanwhile.
-  auto step = [&](int n_block, int next, auto is_first) {
+  // One key block: S = Q K^T, mask, online softmax, O += P V; K of the next block visited (with
+  // FlashMask the next one not skipped) streams in meanwhile. Returns that block (below n_min:
+  // none; the next block is chosen only once V has landed, so that no summary is held in
+  // registers through Q K^T).
+  auto step = [&](int n_block, auto is_first) {
     constexpr bool kFirst = decltype(is_first)::value;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
@@ -157,14 +160,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
     if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
     if constexpr (kFmVariant) {
-      if (flashmask && fm.classify(n_block, m_block * kBlockM, fm_r1) == kFmPartial) {
-        fm.apply(scores, cS_rows, m_block * kBlockM, n_block);
+      if (flashmask && fm.touches(p.fm, n_block, m_block * kBlockM, fm_r1)) {  // kFmPartial
+        fm.apply(p.fm, scores, cS_rows, m_block * kBlockM, n_block);
       }
     }
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] landed; every warp is done reading K
+    int next = n_block - 1;
     if constexpr (kFmVariant) {
+      next = visible_from(n_block - 1);
       if (next >= n_min) {
         load_tile_async(gmem_thr.partition_S(gK_block(next)), tKsK, tKVc, seq.seqlen_k - next * kBlockN,
                         p.head_dim);
@@ -185,6 +190,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     convert_into(rP, acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_mma_a(rP.layout()));
     gemm_rs(mma, acc_o, tOrP, tOrVt, tOsVt, s2r_v, tid);
+    return next;
   };
 
   if constexpr (kFmVariant) {
@@ -195,11 +201,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       load_tile_async(gmem_thr.partition_S(gK_block(n_first)), tKsK, tKVc, seq.seqlen_k - n_first * kBlockN,
                       p.head_dim);
       cp_async_fence();
-      int next = visible_from(n_first - 1);
-      step(n_first, next, cute::true_type{});
-      for (int n_block = next; n_block >= n_min; n_block = next) {
-        next = visible_from(n_block - 1);
-        step(n_block, next, cute::false_type{});
+      for (int n_block = step(n_first, cute::true_type{}); n_block >= n_min;) {
+        n_block = step(n_block, cute::false_type{});
       }
     }
   } else if (n_min < n_max) {
@@ -207,8 +210,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     load_tile_async(gmem_thr.partition_S(gK_block(n_max - 1)), tKsK, tKVc,
                     seq.seqlen_k - (n_max - 1) * kBlockN, p.head_dim);
     cp_async_fence();
-    step(n_max - 1, 0, cute::true_type{});
-    for (int n_block = n_max - 2; n_block >= n_min; --n_block) step(n_block, 0, cute::false_type{});
+    step(n_max - 1, cute::true_type{});
+    for (int n_block = n_max - 2; n_block >= n_min; --n_block) step(n_block, cute::false_type{});
   }
   // else: no visible key at all; the epilogue writes zeros and lse = -inf.
 
