@@ -66,11 +66,13 @@ def make_extension() -> CUDAExtension:
     # ops; api/ checks and fills params; dispatch/ and tuning/ choose what runs and how.
     host_sources = [ROOT / "csrc" / name for name in (
         "ops_library.cpp", "ops_fwd.cpp", "ops_bwd.cpp", "ops_autograd.cpp", "ops_dropout.cpp", "ops_kvcache.cpp",
-        "api/checks.cpp", "api/errors.cpp", "api/params_fill.cpp", "api/workspace.cpp",
+        "ops_flashmask.cpp",
+        "api/checks.cpp", "api/errors.cpp", "api/flashmask.cpp", "api/params_fill.cpp", "api/workspace.cpp",
         "dispatch/paths.cpp", "tuning/heuristics.cpp", "tuning/overrides.cpp", "device_info.cpp",
         "sm90/tensor_map_encode.cu",  # host only: the TMA encode (needs nvcc for CUTLASS's declaration)
         "dropout_mask.cu",  # the flash_ext::dropout_mask kernel
         "decode/kvcache_append.cu",  # the flash_ext::kvcache_append kernel
+        "flashmask/flashmask_summary.cu",  # FlashMask's kernel A (one PTX for every target: see below)
     )]
     for f in host_sources:
         if not f.is_file():
@@ -112,6 +114,10 @@ def make_extension() -> CUDAExtension:
     ] + bc.gencode_flags(cfg.archs)  # explicit -gencode: torch then ignores TORCH_CUDA_ARCH_LIST
     # ...and the kernel files that need fewer device passes get their own (FlashExtBuild)
     SOURCE_GENCODE.update(bc.source_gencode_flags(cfg))
+    # FlashMask's kernel A is plain CUDA for sm80 and newer: one front end and optimizer pass, the
+    # SASS of every target assembled from its PTX, as for the one_ptx kernel families.
+    SOURCE_GENCODE["flashmask_summary.cu"] = bc.family_gencode_flags(
+        bc.Family(name="flashmask_summary", header="", function="", one_ptx=True), cfg.archs)
     nvcc_flags += bc.common_defines(cfg)  # the same on both sides (FwdParams' layout)
     if cfg.ptxas_verbose:
         nvcc_flags += ["-Xptxas", "-v"]

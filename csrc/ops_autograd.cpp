@@ -9,8 +9,9 @@
 //   undefined (no zero tensors filled per backward); a missing gradient of out becomes zeros only
 //   when bwd runs;
 // - a call with nothing to compute (no query row or no key) gets zero gradients, no launch;
-// - bwd gets the forward's deterministic, dropout_p and rng_state;
-// - one gradient slot per op argument (16): q, k, v get theirs, the others none;
+// - bwd gets the forward's deterministic, dropout_p, rng_state and startend_row_indices
+//   (FlashMask's bounds, saved with the tensors);
+// - one gradient slot per op argument (17): q, k, v get theirs, the others none;
 // - seqused_k is forward only: a call that would record a graph with it raises before any launch;
 // - dout is made what the ops read in place (last dim contiguous, other strides and the storage
 //   offset multiples of 8 elements), copied only when it is not.
@@ -36,11 +37,11 @@ using OptTensor = std::optional<at::Tensor>;
 using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const OptTensor&, const OptTensor&, int64_t, int64_t, double,
                                                   bool, int64_t, int64_t, double, double, const OptTensor&, bool,
-                                                  const OptTensor&);
+                                                  const OptTensor&, const OptTensor&);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const OptTensor&, const OptTensor&, int64_t, int64_t, double, bool, int64_t, int64_t, double, bool, double,
-    const OptTensor&);
+    const OptTensor&, const OptTensor&);
 
 const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flash_ext::fwd", "").typed<FwdSig>();
@@ -78,24 +79,27 @@ bool nothing_to_do(const at::Tensor& q, const at::Tensor& k, bool varlen, int64_
 OptTensor optional_of(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 // The op's arguments by position (saved tensors, then saved_data by name).
-enum Saved { kQ, kK, kV, kOut, kLse, kCuQ, kCuK, kRng };
+enum Saved { kQ, kK, kV, kOut, kLse, kCuQ, kCuK, kRng, kBounds };
+
+constexpr size_t kFwdArgs = 17;  // arguments of flash_ext::fwd: one gradient slot each
 
 struct FwdFunction : public torch::autograd::Function<FwdFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, int64_t max_seqlen_q,
                                int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
                                int64_t window_right, double softcap, double dropout_p, const OptTensor& rng_state,
-                               bool deterministic) {
+                               bool deterministic, const OptTensor& startend_row_indices) {
     at::Tensor out, lse;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, lse) = fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-                                         rng_state, deterministic, std::nullopt);
+                                         rng_state, deterministic, startend_row_indices, std::nullopt);
     }
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q.value_or(at::Tensor()),
-                            cu_seqlens_k.value_or(at::Tensor()), rng_state.value_or(at::Tensor())});
+                            cu_seqlens_k.value_or(at::Tensor()), rng_state.value_or(at::Tensor()),
+                            startend_row_indices.value_or(at::Tensor())});
     auto& d = ctx->saved_data;
     d["max_seqlen_q"] = max_seqlen_q;
     d["max_seqlen_k"] = max_seqlen_k;
@@ -114,7 +118,7 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
     const auto& d = ctx->saved_data;
     const at::Tensor &q = s[kQ], &k = s[kK], &v = s[kV], &out = s[kOut];
     const int64_t max_seqlen_q = d.at("max_seqlen_q").toInt(), max_seqlen_k = d.at("max_seqlen_k").toInt();
-    variable_list result(16);  // one slot per argument of fwd; only q, k, v get gradients
+    variable_list result(kFwdArgs);  // only q, k, v get gradients
     if (nothing_to_do(q, k, s[kCuQ].defined(), max_seqlen_q, max_seqlen_k)) {
       // A direct call of the op with nothing to compute (attn_fwd never makes one).
       result[0] = at::zeros_like(q);
@@ -128,7 +132,8 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
         bwd_op().call(dout, q, k, v, out, s[kLse], optional_of(s[kCuQ]), optional_of(s[kCuK]), max_seqlen_q,
                       max_seqlen_k, d.at("softmax_scale").toDouble(), d.at("causal").toBool(),
                       d.at("window_left").toInt(), d.at("window_right").toInt(), d.at("softcap").toDouble(),
-                      d.at("deterministic").toBool(), d.at("dropout_p").toDouble(), optional_of(s[kRng]));
+                      d.at("deterministic").toBool(), d.at("dropout_p").toDouble(), optional_of(s[kRng]),
+                      optional_of(s[kBounds]));
     result[0] = std::move(dq);
     result[1] = std::move(dk);
     result[2] = std::move(dv);
@@ -144,12 +149,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(c10::DispatchKeySet ks, const at
                                                 int64_t max_seqlen_k, double softmax_scale, bool causal,
                                                 int64_t window_left, int64_t window_right, double softcap,
                                                 double dropout_p, const OptTensor& rng_state, bool deterministic,
-                                                const OptTensor& seqused_k) {
+                                                const OptTensor& startend_row_indices, const OptTensor& seqused_k) {
   const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   if (!record) {
     return fwd_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                               softcap, dropout_p, rng_state, deterministic, seqused_k);
+                               softcap, dropout_p, rng_state, deterministic, startend_row_indices, seqused_k);
   }
   // No backward reads seqused_k: refuse rather than return gradients of the wrong problem.
   FLASH_EXT_CHECK(!seqused_k.has_value(),
@@ -157,7 +162,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(c10::DispatchKeySet ks, const at
                   "Call it under torch.no_grad() or with inputs that do not require grad");
   const variable_list r =
       FwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                         window_left, window_right, softcap, dropout_p, rng_state, deterministic);
+                         window_left, window_right, softcap, dropout_p, rng_state, deterministic,
+                         startend_row_indices);
   // lse leaves detached: no gradient flows through it. (Not mark_non_differentiable: compiled
   // autograd refuses C++ nodes that have non-differentiable outputs.)
   return {r[0], r[1].detach()};

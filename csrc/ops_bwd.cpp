@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "api/checks.h"
+#include "api/errors.h"
+#include "api/flashmask.h"
 #include "api/params_fill.h"
 #include "device_info.h"
 #include "dispatch/bwd_dispatch.h"
@@ -30,10 +32,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& out, const at::Tensor& lse_in, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-    bool deterministic, double dropout_p, const std::optional<at::Tensor>& rng_state) {
+    bool deterministic, double dropout_p, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& startend_row_indices) {
   const AttnShape s = check_attention_inputs({q, k, v, out, &dout, &lse_in}, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, softmax_scale, softcap, window_left,
                                              window_right);
+  if (startend_row_indices.has_value()) {
+    check_flashmask_inputs(*startend_row_indices, q, s, causal, window_left, window_right, dropout_p);
+  }
   const bool varlen = s.varlen;
   const c10::cuda::CUDAGuard guard(q.device());
   const int kd = sm80_bwd_kernel_head_dim(s.head_dim);
@@ -53,6 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const DeviceInfo& dev = device_info(q.get_device());
   const TuningOverrides overrides = tuning_overrides();
   p.variant = overrides.bwd_variant;
+  p.has_flashmask = startend_row_indices.has_value();  // routing reads it; p.fm is filled below
   const KernelChoice kernel = choose_bwd_kernel(p, dev, overrides);
   const bool sm90 = kernel.path == KernelPath::kSm90;
 
@@ -88,6 +95,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   p.dq_accum = work_ptr;
   p.dsum = work_ptr + dsum_at;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+
+  // FlashMask: the key-block summaries for the block size of the kernel that runs (the sm80
+  // backward's tile, as its launcher picks it: sm80/bwd_launch.cuh).
+  FlashMaskSummary fm;  // alive until the launch is queued
+  if (startend_row_indices.has_value() && q.numel() > 0 && k.numel() > 0 && s.batch > 0) {
+    // Routing keeps FlashMask off the Hopper backward (dispatch/paths.h, flashmask_on_sm90_bwd);
+    // its key-block size goes here when it gets a FlashMask mode.
+    FLASH_EXT_CHECK(!sm90, "flash_ext: internal: FlashMask was routed to the Hopper backward, which has no mask");
+    const int block_n = choose_bwd_sm80_tile(kd, dev, overrides).block_n;
+    fm = set_flashmask_params(p, *startend_row_indices, s, cu_seqlens_k, causal, block_n, stream);
+  }
 
   at::Tensor dq_sm90, dq_accum;
   if (sm90) {
@@ -171,7 +189,7 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
       "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
       "int window_left, int window_right, float softcap, bool deterministic, float dropout_p=0.0, "
-      "Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? rng_state=None, Tensor? startend_row_indices=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("bwd", &flash_ext::bwd); }

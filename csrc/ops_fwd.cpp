@@ -12,9 +12,11 @@
 
 #include "api/checks.h"
 #include "api/errors.h"
+#include "api/flashmask.h"
 #include "api/params_fill.h"
 #include "api/workspace.h"
 #include "device_info.h"
+#include "dispatch/fwd_dispatch.h"
 #include "dispatch/paths.h"
 #include "tuning/heuristics.h"
 #include "params.h"
@@ -42,8 +44,17 @@ void sm90_trace_buffer(const std::optional<at::Tensor>& buf) {
 }
 #endif
 
-// Chooses the kernel (and, for the Hopper one, its config and buffers) and launches it.
-void launch(FwdParams& p, const at::Tensor& q) {
+// A FlashMask call's bounds and what kernel A needs besides FwdParams.
+struct FlashMaskInput {
+  const at::Tensor* bounds = nullptr;  // nullptr: no FlashMask
+  const std::optional<at::Tensor>* cu_seqlens_k = nullptr;
+  const AttnShape* shape = nullptr;
+  bool causal = false;
+};
+
+// Chooses the kernel (and, for the Hopper one, its config and buffers; for FlashMask, the key-block
+// summaries for the chosen kernel's block size) and launches it.
+void launch(FwdParams& p, const at::Tensor& q, const FlashMaskInput& fm_in) {
   if (p.batch == 0 || p.seqlen_q == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
@@ -52,10 +63,16 @@ void launch(FwdParams& p, const at::Tensor& q) {
   const KernelChoice kernel = choose_fwd_kernel(p, dev, overrides);
   Sm90FwdConfig config;
   Sm90FwdBuffers buffers;  // alive until the launch is queued
+  FlashMaskSummary fm;     // likewise
   if (kernel.path == KernelPath::kSm90) {
     config = choose_sm90_fwd_config(p, kernel.kernel_head_dim, dev, overrides);
     write_sm90_fwd_schedule(config, p);
     buffers = allocate_sm90_fwd_buffers(config, p, q.options(), q.get_device(), stream);
+  }
+  if (fm_in.bounds != nullptr) {
+    const int block_n = kernel.path == KernelPath::kSm90 ? config.tile.block_n
+                                                          : sm80_fwd_block_n(kernel.kernel_head_dim);
+    fm = set_flashmask_params(p, *fm_in.bounds, *fm_in.shape, *fm_in.cu_seqlens_k, fm_in.causal, block_n, stream);
   }
   run_fwd(kernel, p, config, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -66,10 +83,16 @@ at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
                    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
                    int64_t window_left, int64_t window_right, double softcap, double dropout_p,
-                   const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k) {
+                   const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& startend_row_indices,
+                   const std::optional<at::Tensor>& seqused_k) {
   const AttnShape s = check_attention_inputs({q, k, v, out}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale, softcap, window_left, window_right);
   if (seqused_k.has_value()) check_seqused_k(*seqused_k, q, s);
+  FlashMaskInput fm;
+  if (startend_row_indices.has_value()) {
+    check_flashmask_inputs(*startend_row_indices, q, s, causal, window_left, window_right, dropout_p);
+    fm = {&*startend_row_indices, &cu_seqlens_k, &s, causal};
+  }
   FwdParams p{};
 #ifdef FLASH_EXT_SM90_TRACE
   p.sm90_trace = g_sm90_trace;
@@ -80,7 +103,9 @@ at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor lse = s.varlen ? at::empty({s.heads_q, s.total_q}, f32) : at::empty({s.batch, s.heads_q, s.seqlen_q}, f32);
   p.lse = lse.data_ptr<float>();
-  launch(p, q);
+  // Routing reads it (dispatch/paths.h); the summaries are filled in once the kernel is chosen.
+  p.has_flashmask = fm.bounds != nullptr;
+  launch(p, q, fm);
   return lse;
 }
 
@@ -92,11 +117,13 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
                                        int64_t max_seqlen_k, double softmax_scale, bool causal,
                                        int64_t window_left, int64_t window_right, double softcap,
                                        double dropout_p, const std::optional<at::Tensor>& rng_state,
-                                       bool deterministic, const std::optional<at::Tensor>& seqused_k) {
+                                       bool deterministic, const std::optional<at::Tensor>& startend_row_indices,
+                                       const std::optional<at::Tensor>& seqused_k) {
   (void)deterministic;
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   at::Tensor lse = forward(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                           causal, window_left, window_right, softcap, dropout_p, rng_state, seqused_k);
+                           causal, window_left, window_right, softcap, dropout_p, rng_state, startend_row_indices,
+                           seqused_k);
   return {out, lse};
 }
 
@@ -104,9 +131,10 @@ at::Tensor fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
                    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
                    int64_t window_left, int64_t window_right, double softcap, double dropout_p,
-                   const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k) {
+                   const std::optional<at::Tensor>& rng_state,
+                   const std::optional<at::Tensor>& startend_row_indices, const std::optional<at::Tensor>& seqused_k) {
   return forward(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                 window_left, window_right, softcap, dropout_p, rng_state, seqused_k);
+                 window_left, window_right, softcap, dropout_p, rng_state, startend_row_indices, seqused_k);
 }
 
 }  // namespace
@@ -120,12 +148,12 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
       "float softcap, float dropout_p=0.0, Tensor? rng_state=None, bool deterministic=False, "
-      "Tensor? seqused_k=None) -> (Tensor out, Tensor lse)");
+      "Tensor? startend_row_indices=None, Tensor? seqused_k=None) -> (Tensor out, Tensor lse)");
   m.def(
       "fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, "
       "int window_right, float softcap, float dropout_p=0.0, Tensor? rng_state=None, "
-      "Tensor? seqused_k=None) -> Tensor");
+      "Tensor? startend_row_indices=None, Tensor? seqused_k=None) -> Tensor");
 #ifdef FLASH_EXT_SM90_TRACE
   m.def("sm90_trace_buffer(Tensor? buf) -> ()", &flash_ext::sm90_trace_buffer);
 #endif

@@ -5,7 +5,7 @@ Importing ``flash_ext._C`` registers, in C++ (csrc/ops_*.cpp):
     torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, softcap,
                             dropout_p=0.0, rng_state=None, deterministic=False,
-                            seqused_k=None) -> (out, lse)
+                            startend_row_indices=None, seqused_k=None) -> (out, lse)
     torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, ...as fwd, without
                             deterministic...) -> lse   (writes out)
 
@@ -15,7 +15,11 @@ and local masks align bottom-right to that length (FlashAttention-3's meaning). 
 kernel refuses it when a graph would be recorded (no backward reads it).
     torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                            softcap, deterministic, dropout_p=0.0, rng_state=None) -> (dq, dk, dv)
+                            softcap, deterministic, dropout_p=0.0, rng_state=None,
+                            startend_row_indices=None) -> (dq, dk, dv)
+    torch.ops.flash_ext.flashmask_summary(startend_row_indices, seqlen_q, seqlen_k,
+                            cu_seqlens_k, causal, block_n) -> (nb, kbs)   (FlashMask's kernel A
+                            alone, tests only: :data:`_flashmask_summary`)
     torch.ops.flash_ext.dropout_rng_state(q) -> rng_state   (int64 CPU [seed, offset]; draws
                             from the CUDA generator of q's device)
     torch.ops.flash_ext.dropout_mask(q, rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
@@ -25,6 +29,12 @@ kernel refuses it when a graph would be recorded (no backward reads it).
     torch.ops.flash_ext.fwd_kvcache(q, k_cache, v_cache, ...) -> (out, lse)
                             (the two KV-cache ops: their contract is in :data:`_kvcache_append`
                             and :data:`_fwd_kvcache` below)
+
+``startend_row_indices`` (FlashMask's column-wise row bounds, docs/design-flashmask.md; int32
+(batch, hm, seqlen_k, C) or varlen (hm, total_k, C)): the op's ``causal`` is FlashMask's causal
+flag, the window must be (-1, -1) (or the causal (-1, 0)) and dropout_p 0. The autograd formula
+passes the forward's bounds to ``bwd``. The ops check the structure again; the values are
+checked by flash_ext's Python layer.
 
 ``fwd`` is the one differentiable op. Its ``deterministic`` argument is ignored by the forward
 kernel: it is there so that the backward's flag is an argument of the op that the autograd graph
@@ -74,7 +84,8 @@ except ImportError as _err:  # pragma: no cover - depends on the build
         f"Original error: {_err}") from _err
 
 __all__ = ["_fwd", "_fwd_out", "_no_attention", "_bwd", "_dropout_rng_state",
-           "_dropout_mask", "_kvcache_append", "_fwd_kvcache", "build_info"]
+           "_dropout_mask", "_kvcache_append", "_fwd_kvcache", "_flashmask_summary",
+           "build_info"]
 
 # The ops need 16-byte aligned rows: every stride but the last, and the storage offset, a
 # multiple of 8 elements (fp16/bf16); and the head dim a multiple of 8.
@@ -128,7 +139,7 @@ def _nothing_to_do(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q:
 @torch.library.register_fake("flash_ext::fwd")
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
               causal, window_left, window_right, softcap, dropout_p=0.0, rng_state=None,
-              deterministic=False, seqused_k=None):
+              deterministic=False, startend_row_indices=None, seqused_k=None):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -137,15 +148,47 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 @torch.library.register_fake("flash_ext::fwd_out")
 def _fwd_out_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-                  rng_state=None, seqused_k=None):
+                  rng_state=None, startend_row_indices=None, seqused_k=None):
     return q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
 @torch.library.register_fake("flash_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic,
-              dropout_p=0.0, rng_state=None):
+              dropout_p=0.0, rng_state=None, startend_row_indices=None):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+
+
+_FM_CHUNK = 128  # FlashMask: nb's column padding (csrc/common/flashmask.h)
+
+
+def _flashmask_summary_shapes(startend_row_indices, seqlen_k: int, cu_seqlens_k, block_n: int):
+    """Shapes of flashmask_summary's (nb, kbs): (hm, cols, 4) and (hm, blocks, 2, 4), in the
+    layout of csrc/common/flashmask.h."""
+    hm = startend_row_indices.shape[-3]
+    if cu_seqlens_k is not None:
+        batch = cu_seqlens_k.shape[0] - 1
+        total_k = startend_row_indices.shape[1]
+        cols = total_k + _FM_CHUNK * batch
+        blocks = total_k // block_n + batch + 1
+    else:
+        batch = startend_row_indices.shape[0]
+        sk_pad = (seqlen_k + _FM_CHUNK - 1) // _FM_CHUNK * _FM_CHUNK
+        cols = batch * sk_pad
+        blocks = batch * (sk_pad // block_n)
+    return (hm, cols, 4), (hm, blocks, 2, 4)
+
+
+_HAS_FLASHMASK_SUMMARY = hasattr(torch.ops.flash_ext, "flashmask_summary")
+
+if _HAS_FLASHMASK_SUMMARY:
+    @torch.library.register_fake("flash_ext::flashmask_summary")
+    def _flashmask_summary_fake(startend_row_indices, seqlen_q, seqlen_k, cu_seqlens_k, causal,
+                                block_n):
+        nb_shape, kbs_shape = _flashmask_summary_shapes(startend_row_indices, seqlen_k,
+                                                        cu_seqlens_k, block_n)
+        return (startend_row_indices.new_empty(nb_shape, dtype=torch.int32),
+                startend_row_indices.new_empty(kbs_shape, dtype=torch.int32))
 
 
 @torch.library.register_fake("flash_ext::dropout_rng_state")
@@ -224,7 +267,26 @@ returns lse."""
 _bwd = torch.ops.flash_ext.bwd.default
 """torch.ops.flash_ext.bwd: (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
-dropout_p=0.0, rng_state=None) -> (dq, dk, dv), new contiguous tensors."""
+dropout_p=0.0, rng_state=None, startend_row_indices=None) -> (dq, dk, dv), new contiguous
+tensors."""
+
+
+def _flashmask_summary_missing(*args, **kwargs):
+    raise RuntimeError(
+        "flash_ext: this build of flash_ext._C has no flash_ext::flashmask_summary op: it "
+        "predates FlashMask. Rebuild the extension (pip install .) from this source tree.")
+
+
+_flashmask_summary = (torch.ops.flash_ext.flashmask_summary.default if _HAS_FLASHMASK_SUMMARY
+                      else _flashmask_summary_missing)
+"""torch.ops.flash_ext.flashmask_summary: (startend_row_indices, seqlen_q, seqlen_k,
+cu_seqlens_k, causal, block_n) -> (nb, kbs). FlashMask's kernel A alone (tests): nb int32
+(hm, cols, 4) holds (ls, le - ls, us, ue - us) per column and kbs int32 (hm, blocks, 2, 4) the
+key-block summaries (skip half, full half), laid out as csrc/common/flashmask.h says (cols =
+varlen ? total_k + 128 * batch : batch * round_up(seqlen_k, 128); blocks = varlen ?
+total_k // block_n + batch + 1 : batch * round_up(seqlen_k, 128) // block_n). seqlen_q: the
+query rows (varlen: the longest sequence's); seqlen_k: the key columns (varlen: the longest
+sequence's); block_n: 32, 64 or 128. Slots the layout leaves unused are not written."""
 
 
 def _kvcache_ops_missing(*args, **kwargs):

@@ -67,8 +67,9 @@ class CpuKernels:
 
     def fwd(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-            rng_state=None, deterministic=False, seqused_k=None):
+            rng_state=None, deterministic=False, startend_row_indices=None, seqused_k=None):
         assert seqused_k is None, "tests/test_paged_prefill.py covers seqused_k"
+        assert startend_row_indices is None, "the CPU kernels have no FlashMask"
         self.calls.append(("fwd", deterministic))
         out, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                  window_left, window_right, softcap, dropout_p)
@@ -76,8 +77,9 @@ class CpuKernels:
 
     def fwd_out(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-                rng_state=None, seqused_k=None):
+                rng_state=None, startend_row_indices=None, seqused_k=None):
         assert seqused_k is None, "tests/test_paged_prefill.py covers seqused_k"
+        assert startend_row_indices is None, "the CPU kernels have no FlashMask"
         self.calls.append(("fwd_out", None))
         o, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                window_left, window_right, softcap, dropout_p)
@@ -99,7 +101,8 @@ class CpuKernels:
 
     def bwd(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-            deterministic, dropout_p=0.0, rng_state=None):
+            deterministic, dropout_p=0.0, rng_state=None, startend_row_indices=None):
+        assert startend_row_indices is None, "the CPU kernels have no FlashMask"
         self.calls.append(("bwd", deterministic))
         assert dropout_p == 0.0, "the CPU kernels have no dropout"
         args = (softmax_scale, causal, window_left, window_right, softcap)
@@ -152,9 +155,10 @@ def close(actual, want, dtype=torch.float16):
 def test_fwd_schema_has_deterministic():
     schema = torch.ops.flash_ext.fwd.default._schema
     names = [a.name for a in schema.arguments]
-    # Optional tensors appended after deterministic (seqused_k, ...) default to None.
+    # Optional tensors appended after deterministic (startend_row_indices, seqused_k, ...)
+    # default to None.
     assert names[12:15] == ["dropout_p", "rng_state", "deterministic"], schema
-    assert "seqused_k" in names[15:], schema
+    assert names[15:17] == ["startend_row_indices", "seqused_k"], schema
     assert all(a.default_value is None for a in schema.arguments[15:]), schema
     det = schema.arguments[14]
     assert str(det.type) == "bool" and det.default_value is False, schema

@@ -57,12 +57,12 @@ class SequsedKernels:
         return out.to(q.dtype).contiguous(), lse.contiguous()
 
     def fwd(self, q, k, v, cu_q, cu_k, mq, mk, scale, causal, wl, wr, softcap, dropout_p=0.0,
-            rng_state=None, deterministic=False, seqused_k=None):
+            rng_state=None, deterministic=False, startend_row_indices=None, seqused_k=None):
         assert dropout_p == 0.0
         return self._forward(q, k, v, cu_q, cu_k, scale, causal, wl, wr, softcap, seqused_k)
 
     def fwd_out(self, q, k, v, out, cu_q, cu_k, mq, mk, scale, causal, wl, wr, softcap,
-                dropout_p=0.0, rng_state=None, seqused_k=None):
+                dropout_p=0.0, rng_state=None, startend_row_indices=None, seqused_k=None):
         o, lse = self._forward(q, k, v, cu_q, cu_k, scale, causal, wl, wr, softcap, seqused_k)
         out.copy_(o)
         return lse

@@ -9,6 +9,10 @@
 
 namespace flash_ext {
 
+// The sm80 forward's key-block size for its kernel head dim (run_fwd_sm80's tiles, which
+// static_assert it): the block size FlashMask's summaries are made for.
+constexpr int sm80_fwd_block_n(int kernel_head_dim) { return kernel_head_dim <= 32 ? 128 : 64; }
+
 // FlashAttention-2 kernel (mma.sync); built for sm_80 and, to run on Hopper, sm_90a.
 template <int kHeadDim, bool kIsBf16>
 void run_fwd_sm80(FwdParams& params, cudaStream_t stream);

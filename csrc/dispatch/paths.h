@@ -23,6 +23,13 @@ struct KernelChoice {
 // sequence's used keys (seqused_k: those calls run the sm80 kernel too).
 bool tma_compatible(const FwdParams& p);
 
+// FlashMask (p.has_flashmask) on the Hopper kernels: false while they have no FlashMask mode, so
+// that every FlashMask call runs the sm80 kernels (forward and backward) on every GPU, and
+// FLASH_EXT_FWD_PATH / BWD_PATH=sm90 with bounds is an error. The one place to flip when the
+// Hopper forward's mask policy (docs/design-flashmask.md 4) lands.
+bool flashmask_on_sm90_fwd();
+bool flashmask_on_sm90_bwd();
+
 // Forward: the Hopper kernel on sm90 devices where this build has it for the head dim and dtype,
 // the tensor maps can describe the inputs and there is no dropout (which only the sm80 kernel
 // implements); else the sm80 kernel. FLASH_EXT_FWD_PATH forces one (an error where sm90 cannot

@@ -5,6 +5,11 @@
 // an elementwise mask come first). K of the next block streams in (cp.async) while this block's
 // softmax and P V run; V of this block streams in while Q K^T runs.
 //
+// FlashMask (p.has_flashmask, a runtime mode of the windowed variant only; common/flashmask.h):
+// the walk visits the same range but skips the key blocks whose summary says every entry is
+// masked for this tile's rows (no loads, no MMA: K is prefetched for the next visible block), and
+// on the blocks it cannot classify as unmasked it applies the interval mask after the usual one.
+//
 // kDropout (dropout_p > 0, common/dropout.h): after the online softmax of a block (whose row
 // sums use the un-dropped P, so l and lse are those of the plain softmax), dropped entries of P
 // are zeroed before P V; the 1 / (1 - p) of the kept ones is folded into the final 1 / l.
@@ -13,6 +18,7 @@
 
 #include "common/copy.h"
 #include "common/dropout.h"
+#include "common/flashmask_tile.h"
 #include "common/fragment.h"
 #include "common/mask.h"
 #include "common/seqlen.h"
@@ -119,7 +125,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
                         p.dropout_threshold);  // used only when kDropout
 
-  // One key block: S = Q K^T, mask, online softmax, O += P V.
+  // FlashMask: a runtime mode of the windowed dropout-free variant (kFmVariant) only; this
+  // tile's query rows (within the sequence) are [m_block * kBlockM, fm_r1).
+  constexpr bool kFmVariant = kHasWindow && !kDropout;
+  bool flashmask = false;
+  if constexpr (kFmVariant) flashmask = p.has_flashmask;
+  FlashMaskTile<kBlockN> fm;
+  if (flashmask) fm = FlashMaskTile<kBlockN>(p.fm, p.cu_seqlens_k, batch, head / p.fm.group);
+  const int fm_r1 = m_block * kBlockM + min(kBlockM, rows_q);
+  // The first block to visit at or below n_block (below n_min: none left).
+  auto visible_from = [&](int n_block) {
+    if (flashmask) {
+      while (n_block >= n_min && fm.classify(p.fm, n_block, m_block * kBlockM, fm_r1) == kFmSkip) --n_block;
+    }
+    return n_block;
+  };
+
+  // One key block: S = Q K^T, mask, online softmax, O += P V; K of the next block visited (with
+  // FlashMask the next one not skipped) streams in meanwhile. Returns that block (below n_min:
+  // none; the next block is chosen only once V has landed, so that no summary is held in
+  // registers through Q K^T).
   auto step = [&](int n_block, auto is_first) {
     constexpr bool kFirst = decltype(is_first)::value;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -134,10 +159,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
     Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
     if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
+    if constexpr (kFmVariant) {
+      if (flashmask && fm.touches(p.fm, n_block, m_block * kBlockM, fm_r1)) {  // kFmPartial
+        fm.apply(p.fm, scores, cS_rows, m_block * kBlockM, n_block);
+      }
+    }
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] landed; every warp is done reading K
-    if (n_block > n_min) {
+    int next = n_block - 1;
+    if constexpr (kFmVariant) {
+      next = visible_from(n_block - 1);
+      if (next >= n_min) {
+        load_tile_async(gmem_thr.partition_S(gK_block(next)), tKsK, tKVc, seq.seqlen_k - next * kBlockN,
+                        p.head_dim);
+        cp_async_fence();
+      }
+    } else if (n_block > n_min) {
       load_tile_async(gmem_thr.partition_S(gK_block(n_block - 1)), tKsK, tKVc,
                       seq.seqlen_k - (n_block - 1) * kBlockN, p.head_dim);
       cp_async_fence();
@@ -152,9 +190,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     convert_into(rP, acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_mma_a(rP.layout()));
     gemm_rs(mma, acc_o, tOrP, tOrVt, tOsVt, s2r_v, tid);
+    return next;
   };
 
-  if (n_min < n_max) {
+  if constexpr (kFmVariant) {
+    // The walk over the blocks that FlashMask does not skip (all of them without it).
+    const int n_first = visible_from(n_max - 1);
+    if (n_first >= n_min) {
+      load_tile_async(gmem_thr.partition_S(gQ), tQsQ, tQc, rows_q, p.head_dim);
+      load_tile_async(gmem_thr.partition_S(gK_block(n_first)), tKsK, tKVc, seq.seqlen_k - n_first * kBlockN,
+                      p.head_dim);
+      cp_async_fence();
+      for (int n_block = step(n_first, cute::true_type{}); n_block >= n_min;) {
+        n_block = step(n_block, cute::false_type{});
+      }
+    }
+  } else if (n_min < n_max) {
     load_tile_async(gmem_thr.partition_S(gQ), tQsQ, tQc, rows_q, p.head_dim);
     load_tile_async(gmem_thr.partition_S(gK_block(n_max - 1)), tKsK, tKVc,
                     seq.seqlen_k - (n_max - 1) * kBlockN, p.head_dim);

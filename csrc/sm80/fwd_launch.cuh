@@ -5,7 +5,10 @@
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
+#include <string>
+
 #include "dispatch/fwd_dispatch.h"
+#include "error.h"
 #include "sm80/fwd_kernel.cuh"
 
 namespace flash_ext {
@@ -25,6 +28,12 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
 
 template <typename Traits>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
+  static_assert(Traits::kBlockN == sm80_fwd_block_n(Traits::kHeadDim),
+                "FlashMask's summaries are made for sm80_fwd_block_n (dispatch/fwd_dispatch.h)");
+  if (p.has_flashmask && (p.dropout_p > 0.f || !p.has_window || p.fm.block_n != Traits::kBlockN)) {
+    raise_error("flash_ext: internal: a FlashMask forward needs the windowed dropout-free kernel and summaries "
+                "for its key blocks of " + std::to_string(Traits::kBlockN));
+  }
   // Dropout: separate kernels, so that the ones without it are unchanged (registers, speed).
   if (p.dropout_p > 0.f) {
     if (p.has_window) {

@@ -1,0 +1,128 @@
+// api/flashmask.h.
+#include "api/flashmask.h"
+
+#include <ATen/ATen.h>
+
+#include "api/errors.h"
+#include "flashmask/flashmask_summary.h"
+
+namespace flash_ext {
+namespace {
+
+constexpr int64_t kFmChunk = 128;  // nb's column padding and R's rounding (common/flashmask.h)
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace
+
+void check_flashmask_bounds(const at::Tensor& bounds, bool varlen, bool causal) {
+  FLASH_EXT_CHECK(bounds.is_cuda(), "flash_ext: startend_row_indices must be a CUDA tensor");
+  FLASH_EXT_CHECK(bounds.scalar_type() == at::kInt, "flash_ext: startend_row_indices must be int32; got ",
+                  bounds.scalar_type());
+  FLASH_EXT_CHECK(bounds.dim() == (varlen ? 3 : 4), "flash_ext: startend_row_indices must be ",
+                  varlen ? "(heads, total_k, C) with cu_seqlens" : "(batch, heads, seqlen_k, C)", "; got shape ",
+                  bounds.sizes());
+  const int64_t c = bounds.size(-1);
+  if (causal) {
+    FLASH_EXT_CHECK(c == 1 || c == 2, "flash_ext: with causal=True startend_row_indices needs C = 1 (LTS) or ",
+                    "2 (LTS, LTE) values per column; got C = ", c);
+  } else {
+    FLASH_EXT_CHECK(c == 2 || c == 4, "flash_ext: with causal=False startend_row_indices needs C = 2 (LTS, UTE) ",
+                    "or 4 (LTS, LTE, UTS, UTE) values per column; got C = ", c);
+  }
+  FLASH_EXT_CHECK(bounds.stride(-1) == 1 || c == 1,
+                  "flash_ext: startend_row_indices must have a contiguous last dimension; got strides ",
+                  bounds.strides());
+  FLASH_EXT_CHECK(bounds.size(-3) <= 65535 && (varlen || bounds.size(0) <= 65535),
+                  "flash_ext: startend_row_indices: batch and heads must be <= 65535");
+}
+
+void check_flashmask_inputs(const at::Tensor& bounds, const at::Tensor& q, const AttnShape& s, bool causal,
+                            int64_t window_left, int64_t window_right, double dropout_p) {
+  check_flashmask_bounds(bounds, s.varlen, causal);
+  FLASH_EXT_CHECK(bounds.device() == q.device(), "flash_ext: startend_row_indices must be on q's device (",
+                  q.device(), "); got ", bounds.device());
+  const int64_t hm = bounds.size(-3);
+  FLASH_EXT_CHECK(hm == 1 || hm == s.heads_kv, "flash_ext: startend_row_indices has ", hm,
+                  " heads; it needs 1 or heads_kv = ", s.heads_kv);
+  if (s.varlen) {
+    FLASH_EXT_CHECK(bounds.size(1) == s.total_k, "flash_ext: startend_row_indices must be (heads, total_k, C) ",
+                    "with total_k = ", s.total_k, " (k's rows); got shape ", bounds.sizes());
+  } else {
+    FLASH_EXT_CHECK(bounds.size(0) == s.batch && bounds.size(2) == s.seqlen_k,
+                    "flash_ext: startend_row_indices must be (batch, heads, seqlen_k, C) with batch = ", s.batch,
+                    " and seqlen_k = ", s.seqlen_k, "; got shape ", bounds.sizes());
+  }
+  FLASH_EXT_CHECK(dropout_p == 0.0, "flash_ext: startend_row_indices does not support dropout (dropout_p = ",
+                  dropout_p, ")");
+  FLASH_EXT_CHECK(window_left == -1 && (window_right == -1 || (causal && window_right == 0)),
+                  "flash_ext: startend_row_indices takes no window (window_size must be (-1, -1)); got (",
+                  window_left, ", ", window_right, ")");
+}
+
+FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::optional<at::Tensor>& cu_seqlens_k,
+                                        int64_t seqlen_q, int64_t seqlen_k, bool causal, int block_n, int group,
+                                        cudaStream_t stream) {
+  FLASH_EXT_CHECK(block_n == 32 || block_n == 64 || block_n == 128,
+                  "flash_ext: FlashMask summaries are made for key blocks of 32, 64 or 128 columns; got ", block_n);
+  const bool varlen = cu_seqlens_k.has_value();
+  const int64_t hm = bounds.size(-3);
+  const int64_t batch = varlen ? cu_seqlens_k->numel() - 1 : bounds.size(0);
+  const int64_t total_k = varlen ? bounds.size(1) : 0;
+  FlashMaskView v{};
+  v.block_n = block_n;
+  v.group = group;
+  v.empty_row = int(round_up(seqlen_q, kFmChunk));
+  v.sk_pad = varlen ? 0 : int(round_up(seqlen_k, kFmChunk));
+  v.blocks_per_batch = varlen ? 0 : v.sk_pad / block_n;
+  const int64_t cols = varlen ? total_k + kFmChunk * batch : batch * v.sk_pad;
+  const int64_t blocks = varlen ? total_k / block_n + batch + 1 : batch * v.blocks_per_batch;
+  v.nb_head_stride = cols;
+  v.kbs_head_stride = blocks;
+  // The kernels index both in int32 (common/flashmask_tile.h).
+  FLASH_EXT_CHECK(hm * cols < (int64_t(1) << 31) && 2 * hm * blocks < (int64_t(1) << 31),
+                  "flash_ext: startend_row_indices: too many columns for FlashMask's int32 indices");
+
+  // One allocation: nb (4 int32 per column), then kbs (8 per block); both 16-byte aligned.
+  const int64_t nb_ints = hm * cols * 4, kbs_ints = hm * blocks * 8;
+  const at::Tensor buf = at::empty({nb_ints + kbs_ints}, bounds.options().dtype(at::kInt));
+  FlashMaskSummary out;
+  out.nb = buf.narrow(0, 0, nb_ints).view({hm, cols, 4});
+  out.kbs = buf.narrow(0, nb_ints, kbs_ints).view({hm, blocks, 2, 4});
+  int4* nb = reinterpret_cast<int4*>(out.nb.data_ptr<int>());
+  int4* kbs = reinterpret_cast<int4*>(out.kbs.data_ptr<int>());
+  v.nb = nb;
+  v.kbs = kbs;
+  out.view = v;
+
+  FlashMaskSummaryArgs a{};
+  a.bounds = bounds.data_ptr<int>();
+  a.batch_stride = varlen ? 0 : bounds.stride(0);
+  a.head_stride = bounds.stride(-3);
+  a.col_stride = bounds.stride(-2);
+  a.c = int(bounds.size(-1));
+  a.causal = causal;
+  a.batch = int(batch);
+  a.heads = int(hm);
+  a.seqlen_k = int(seqlen_k);
+  a.cu_seqlens_k = varlen ? cu_seqlens_k->data_ptr<int>() : nullptr;
+  a.nb = nb;
+  a.kbs = kbs;
+  a.layout = v;
+  launch_flashmask_summary(a, stream);
+  return out;
+}
+
+FlashMaskSummary set_flashmask_params(FwdParams& p, const at::Tensor& bounds, const AttnShape& s,
+                                      const std::optional<at::Tensor>& cu_seqlens_k, bool causal, int block_n,
+                                      cudaStream_t stream) {
+  const int hm = int(bounds.size(-3));
+  FlashMaskSummary fm = make_flashmask_summary(bounds, s.varlen ? cu_seqlens_k : std::nullopt, s.seqlen_q,
+                                               s.seqlen_k, causal, block_n, s.heads_q / hm, stream);
+  p.has_flashmask = true;
+  p.fm = fm.view;
+  p.has_window = true;  // the windowed kernel variants run FlashMask (window (-1, -1) or causal)
+  return fm;
+}
+
+}  // namespace flash_ext

@@ -1,0 +1,58 @@
+// The testing op flash_ext::flashmask_summary: kernel A (csrc/flashmask/) alone, returning the
+// normalized bounds and key-block summaries in exactly the layout the kernels read
+// (common/flashmask.h), so that tests compare them with the Python transcription.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "api/errors.h"
+#include "api/flashmask.h"
+
+namespace flash_ext {
+namespace {
+
+// nb: int32 (hm, cols, 4); kbs: int32 (hm, blocks, 2, 4), with cols = varlen ? total_k + 128 batch :
+// batch * round_up(seqlen_k, 128) and blocks = varlen ? total_k / block_n + batch + 1 :
+// batch * round_up(seqlen_k, 128) / block_n. seqlen_q: the query rows (varlen: the longest
+// sequence's); seqlen_k: the key columns (varlen: at least the longest sequence's).
+std::tuple<at::Tensor, at::Tensor> flashmask_summary(const at::Tensor& startend_row_indices, int64_t seqlen_q,
+                                                     int64_t seqlen_k, const std::optional<at::Tensor>& cu_seqlens_k,
+                                                     bool causal, int64_t block_n) {
+  const at::Tensor& b = startend_row_indices;
+  const bool varlen = cu_seqlens_k.has_value();
+  check_flashmask_bounds(b, varlen, causal);
+  FLASH_EXT_CHECK(seqlen_q >= 0 && seqlen_q <= (int64_t(1) << 30) && seqlen_k >= 0 && seqlen_k <= (int64_t(1) << 30),
+                  "flash_ext: seqlen_q and seqlen_k must be in [0, 2^30]");
+  if (varlen) {
+    const at::Tensor& ck = *cu_seqlens_k;
+    FLASH_EXT_CHECK(ck.scalar_type() == at::kInt && ck.dim() == 1 && ck.numel() >= 1 && ck.is_contiguous() &&
+                        ck.device() == b.device(),
+                    "flash_ext: cu_seqlens_k must be a contiguous 1-D int32 tensor on the bounds' device");
+    FLASH_EXT_CHECK(ck.numel() - 1 <= 65535, "flash_ext: batch must be <= 65535");
+  } else {
+    FLASH_EXT_CHECK(b.size(2) == seqlen_k, "flash_ext: startend_row_indices has ", b.size(2),
+                    " columns; seqlen_k is ", seqlen_k);
+  }
+  const c10::cuda::CUDAGuard guard(b.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(b.get_device()).stream();
+  const FlashMaskSummary s = make_flashmask_summary(b, cu_seqlens_k, seqlen_q, seqlen_k, causal, int(block_n),
+                                                    /*group=*/1, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {s.nb, s.kbs};
+}
+
+}  // namespace
+}  // namespace flash_ext
+
+TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
+  m.def(
+      "flashmask_summary(Tensor startend_row_indices, int seqlen_q, int seqlen_k, Tensor? cu_seqlens_k, "
+      "bool causal, int block_n) -> (Tensor nb, Tensor kbs)");
+}
+
+TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("flashmask_summary", &flash_ext::flashmask_summary); }
