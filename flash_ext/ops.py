@@ -122,7 +122,7 @@ def _nothing_to_do(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q:
 @torch.library.register_fake("flash_ext::fwd")
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
               causal, window_left, window_right, softcap, dropout_p=0.0, rng_state=None,
-              deterministic=False):
+              deterministic=False, startend_row_indices=None):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -131,14 +131,14 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 @torch.library.register_fake("flash_ext::fwd_out")
 def _fwd_out_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-                  rng_state=None):
+                  rng_state=None, startend_row_indices=None):
     return q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
 @torch.library.register_fake("flash_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic,
-              dropout_p=0.0, rng_state=None):
+              dropout_p=0.0, rng_state=None, startend_row_indices=None):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 

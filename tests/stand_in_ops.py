@@ -28,16 +28,17 @@ SCHEMAS = (
     ("fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
      "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, "
      "int window_right, float softcap, float dropout_p=0.0, Tensor? rng_state=None, "
-     "bool deterministic=False) -> (Tensor out, Tensor lse)", ()),
+     "bool deterministic=False, Tensor? startend_row_indices=None) -> (Tensor out, Tensor lse)",
+     ()),
     ("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? cu_seqlens_q, "
      "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
      "bool causal, int window_left, int window_right, float softcap, float dropout_p=0.0, "
-     "Tensor? rng_state=None) -> Tensor", ()),
+     "Tensor? rng_state=None, Tensor? startend_row_indices=None) -> Tensor", ()),
     ("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
      "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
      "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
-     "bool deterministic, float dropout_p=0.0, Tensor? rng_state=None) "
-     "-> (Tensor dq, Tensor dk, Tensor dv)", ()),
+     "bool deterministic, float dropout_p=0.0, Tensor? rng_state=None, "
+     "Tensor? startend_row_indices=None) -> (Tensor dq, Tensor dk, Tensor dv)", ()),
     ("dropout_rng_state(Tensor q) -> Tensor", (torch.Tag.nondeterministic_seeded,)),
     ("dropout_mask(Tensor q, Tensor rng_state, int batch, int heads, int seqlen_q, "
      "int seqlen_k, float dropout_p) -> Tensor", ()),
@@ -79,21 +80,24 @@ def _nothing_to_do(q, k, varlen: bool, max_seqlen_q: int, max_seqlen_k: int) -> 
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-     window_left, window_right, softcap, dropout_p, rng_state, deterministic) = inputs
+     window_left, window_right, softcap, dropout_p, rng_state, deterministic,
+     startend_row_indices) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
+                          startend_row_indices)
     ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                 softcap, bool(deterministic), float(dropout_p))
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, startend_row_indices = \
+        ctx.saved_tensors
     (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
      deterministic, dropout_p) = ctx.args
     if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
-        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 12
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 13
     if grad_out is None:  # out does not reach the loss
         grad_out = torch.zeros_like(out, memory_format=torch.contiguous_format)
     elif not _rows_aligned(grad_out):
@@ -101,8 +105,8 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     grads = torch.ops.flash_ext.bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                     window_left, window_right, softcap, deterministic, dropout_p,
-                                    rng_state)
-    return tuple(grads) + (None,) * 12  # one slot per argument of fwd (15)
+                                    rng_state, startend_row_indices)
+    return tuple(grads) + (None,) * 13  # one slot per argument of fwd (16)
 
 
 def install(autograd: bool = True) -> None:
