@@ -11,7 +11,6 @@ against flash_ext's window and varlen kernels, torch.compile. Both forward dispa
 (FLASH_EXT_FWD_PATH=sm80 and auto) where marked.
 """
 
-import math
 
 import pytest
 import torch
@@ -184,6 +183,10 @@ def test_softcap(dtype, causal, c):
 # ---------------------------------------------------------------------------------------------
 
 
+BUILDERS = ["causal_document", "shared_question", "prefix_lm", "sliding_window",
+            "sliding_window_nc", "global_sliding_window", "causal_blockwise"]
+
+
 def _builders(s):
     return {
         "causal_document": M.causal_document([s // 5, 0, 1, s // 3], s, device="cuda"),
@@ -196,7 +199,7 @@ def _builders(s):
     }
 
 
-@pytest.mark.parametrize("name", list(_builders(8)))
+@pytest.mark.parametrize("name", BUILDERS)
 def test_builders(fwd_path, name):
     s = 1000
     sri, causal = _builders(s)[name]
