@@ -39,7 +39,8 @@ def test_bwd_op_registered():
 
 def test_fwd_op_carries_deterministic():
     schema = str(torch.ops.flash_ext.fwd.default._schema)
-    assert "Tensor? rng_state=None, bool deterministic=False)" in schema, schema
+    assert ("Tensor? rng_state=None, bool deterministic=False, "
+            "Tensor? startend_row_indices=None)") in schema, schema
     assert "-> (Tensor out, Tensor lse)" in schema, schema
     assert not hasattr(torch.ops.flash_ext, "attn")  # no second differentiable op
 

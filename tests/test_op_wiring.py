@@ -150,8 +150,9 @@ def close(actual, want, dtype=torch.float16):
 def test_fwd_schema_has_deterministic():
     schema = torch.ops.flash_ext.fwd.default._schema
     names = [a.name for a in schema.arguments]
-    assert names[-3:] == ["dropout_p", "rng_state", "deterministic"], schema
-    det = schema.arguments[-1]
+    assert names[-4:] == ["dropout_p", "rng_state", "deterministic", "startend_row_indices"], \
+        schema
+    det = schema.arguments[-2]
     assert str(det.type) == "bool" and det.default_value is False, schema
     assert [r.name for r in schema.returns] == ["out", "lse"], schema
 
