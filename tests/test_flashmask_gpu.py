@@ -372,3 +372,49 @@ def test_torch_compile_fullgraph_equals_eager():
     assert torch.equal(got[0], want[0])  # the forward is deterministic
     for g, w in zip(got[2], want[2]):  # the backward may add in another order (atomics)
         torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Value checks on CUDA bounds; CUDA graphs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_value_check_once_per_version(monkeypatch):
+    from flash_ext import _validation as V
+    calls = []
+    real = V._check_flashmask_values
+    monkeypatch.setattr(V, "_check_flashmask_values", lambda *a: (calls.append(1), real(*a))[1])
+    q, k, v = qkv(1, 64, 64, 2, 2, 64, torch.bfloat16)
+    sri = random_bounds(1, 2, 64, 64, True, 1)
+    for _ in range(3):
+        flash_ext.flashmask_attention(q, k, v, sri)
+    assert len(calls) == 1
+    sri[0, 0, 0, 0] = 65  # an in-place write: checked again, and rejected before any launch
+    with pytest.raises(flash_ext.FlashExtValueError, match="LTS = 65"):
+        flash_ext.flashmask_attention(q, k, v, sri)
+    monkeypatch.setattr(V, "CHECK_FLASHMASK_VALUES", False)
+    sri[0, 0, 0, 0] = 0
+    flash_ext.flashmask_attention(q, k, v, sri)
+    assert len(calls) == 2
+
+
+def test_cuda_graph_replay_with_new_bounds():
+    """A call captures in a CUDA graph (no value check, no host sync while capturing); bounds
+    changed in place between replays take effect."""
+    s = 256
+    q, k, v = qkv(1, s, s, 2, 1, 64, torch.bfloat16)
+    sri = M.causal_document([100, 156], s, device="cuda")[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_ext.flashmask_attention(q, k, v, sri)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_ext.flashmask_attention(q, k, v, sri)
+    for lens in ([100, 156], [30, 200, 26]):
+        sri.copy_(M.causal_document(lens, s, device="cuda")[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = flash_ext.flashmask_attention(q, k, v, sri.clone())
+        assert torch.equal(out, want), lens
