@@ -10,6 +10,10 @@ flash_attn_varlen_func, ...) are differentiable: autograd (eager or torch.compil
 backward kernel; attn_bwd calls it explicitly. flash_attn_with_kvcache (FlashAttention-2's
 KV-cache function: append, rotary, paged caches, ALiBi; forward only) is for decoding.
 
+flashmask_attention / flashmask_attention_varlen: attention with FlashMask's column-wise
+sparse masks (int32 row bounds per key column; builders of the common masks in
+flash_ext.flashmask_masks; docs/flashmask.md).
+
 Also: scaled_dot_product_attention (torch's SDPA signature and (batch, nheads, seqlen, headdim)
 layout, flash_ext.sdpa), unpad_input / pad_input (FlashAttention's bert_padding helpers,
 flash_ext.padding, also as flash_ext.bert_padding). Bad input raises a FlashExtError, a
@@ -46,6 +50,9 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "flashmask_attention",
+    "flashmask_attention_varlen",
+    "flashmask_masks",
     "scaled_dot_product_attention",
     "unpad_input",
     "pad_input",
@@ -435,3 +442,5 @@ from flash_ext.interface import (  # noqa: E402
 from flash_ext.padding import pad_input, unpad_input  # noqa: E402
 from flash_ext.sdpa import scaled_dot_product_attention  # noqa: E402
 from flash_ext import bert_padding  # noqa: E402,F401  (FlashAttention's module name)
+from flash_ext.flashmask import flashmask_attention, flashmask_attention_varlen  # noqa: E402
+from flash_ext import flashmask_masks  # noqa: E402,F401

@@ -45,6 +45,11 @@ block_table) follow the same policy (:func:`check_kvcache_values`, once per set 
 their versions), switched off with ``FLASH_EXT_CHECK_KVCACHE=0`` (``CHECK_KVCACHE_VALUES``).
 Every one of its checks runs before the first op call, so a rejected call writes nothing into
 the caches.
+
+flashmask_attention's bounds (startend_row_indices: ``0 <= bound <= seqlen_q``, LTS <= LTE,
+UTS <= UTE) follow it too (:func:`check_flashmask_inputs`), switched off with
+``FLASH_EXT_CHECK_FLASHMASK=0`` (``CHECK_FLASHMASK_VALUES``). A skipped check can give a wrong
+mask, never a memory error: the kernels only compare the bounds, after clamping them.
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ __all__ = [
     "check_forward_only",
     "check_paged_varlen_inputs",
     "check_paged_varlen_values",
+    "CHECK_FLASHMASK_VALUES",
+    "check_flashmask_inputs",
 ]
 
 MAX_HEADDIM = 256
@@ -107,6 +114,9 @@ CHECK_CU_SEQLENS_VALUES = os.environ.get("FLASH_EXT_CHECK_CU_SEQLENS", "1").stri
 # Value checks of flash_attn_with_kvcache's cache_seqlens, cache_leftpad, cache_batch_idx and
 # block_table on CUDA tensors (one host sync per new set of tensors); the same policy.
 CHECK_KVCACHE_VALUES = os.environ.get("FLASH_EXT_CHECK_KVCACHE", "1").strip().lower() not in (
+    "0", "false", "no", "off")
+# Value checks of flashmask_attention's startend_row_indices on CUDA tensors; the same policy.
+CHECK_FLASHMASK_VALUES = os.environ.get("FLASH_EXT_CHECK_FLASHMASK", "1").strip().lower() not in (
     "0", "false", "no", "off")
 
 
@@ -1253,3 +1263,122 @@ def check_paged_varlen_values(fn, cu_seqlens_k, block_table, seqused_k, max_seql
             f"{name}: block_table entries of the pages in use must lie in [0, num_pages = "
             f"{num_pages}); got block_table[{where[0]}, {where[1]}] = "
             f"{int(block_table[where[0], where[1]])} ({n_bad} bad entries)")
+
+
+# ----------------------------------------------------------------------------------------------
+# flashmask_attention (flash_ext/flashmask.py; docs/design-flashmask.md 9.3)
+# ----------------------------------------------------------------------------------------------
+
+_FM_NAMES = {(True, 1): ("LTS",), (True, 2): ("LTS", "LTE"), (False, 2): ("LTS", "UTE"),
+             (False, 4): ("LTS", "LTE", "UTS", "UTE")}
+
+
+def check_flashmask_inputs(fn: str, startend_row_indices, q: torch.Tensor, k: torch.Tensor,
+                           causal, varlen: bool, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+    """The bounds of a FlashMask call, after the checks of q, k, v (and cu_seqlens): int32;
+    (batch, hm, seqlen_k, C), or varlen (hm, total_k, C), with batch and seqlen_k (total_k)
+    those of k and hm 1 or k's heads; C 1 or 2 with causal=True, 2 or 4 with causal=False; on
+    q's device; last dim contiguous. Then, where :func:`should_check_values` allows (policy of
+    the module docstring, switch ``FLASH_EXT_CHECK_FLASHMASK``), once per (tensor, version):
+    every bound in [0, seqlen_q] (varlen: the column's sequence's seqlen_q), LTS <= LTE and
+    UTS <= UTE."""
+    name = "startend_row_indices"
+    if not isinstance(causal, bool):
+        raise FlashExtTypeError(f"flash_ext.{fn}: causal must be a bool; got "
+                                f"{type(causal).__name__}")
+    t = startend_row_indices
+    if not isinstance(t, torch.Tensor):
+        raise FlashExtTypeError(f"flash_ext.{fn}: {name} must be a torch.Tensor; got "
+                                f"{type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise FlashExtTypeError(f"flash_ext.{fn}: {name} must be int32; got "
+                                f"{_dtype_name(t.dtype)}")
+    hkv = k.shape[-2]
+    if varlen:
+        layout, expect = "(nheads_mask, total_k, C)", (None, k.shape[0])
+    else:
+        layout, expect = "(batch, nheads_mask, seqlen_k, C)", (k.shape[0], None, k.shape[1])
+    if t.dim() != len(expect) + 1:
+        raise FlashExtValueError(
+            f"flash_ext.{fn}: {name} must be {len(expect) + 1}-D {layout}; got shape {_shape(t)}")
+    if not varlen and t.shape[0] != k.shape[0]:
+        raise FlashExtValueError(
+            f"flash_ext.{fn}: {name} must have k's batch size ({k.shape[0]}); got shape "
+            f"{_shape(t)}")
+    cols, what = (k.shape[0], "total_k") if varlen else (k.shape[1], "seqlen_k")
+    if t.shape[-2] != cols:
+        raise FlashExtValueError(
+            f"flash_ext.{fn}: {name} must have one row per key column ({what} = {cols}); got "
+            f"shape {_shape(t)}")
+    hm = t.shape[-3]
+    if hm not in (1, hkv):
+        raise FlashExtValueError(
+            f"flash_ext.{fn}: {name} must have 1 or nheads_kv ({hkv}) mask heads; got {hm} "
+            f"(shape {_shape(t)})")
+    c = t.shape[-1]
+    if (causal, c) not in _FM_NAMES:
+        if c in (1, 2, 4):
+            need = "causal=False" if causal else "causal=True"
+            raise FlashExtValueError(
+                f"flash_ext.{fn}: {name} has C = {c}, which needs {need} (causal: C = 1 (LTS) "
+                f"or 2 (LTS, LTE); non-causal: C = 2 (LTS, UTE) or 4 (LTS, LTE, UTS, UTE))")
+        raise FlashExtValueError(
+            f"flash_ext.{fn}: {name} must have C = 1 or 2 (causal) or 2 or 4 (non-causal) "
+            f"bounds per column; got C = {c} (shape {_shape(t)})")
+    if t.device != q.device:
+        raise DeviceError(f"flash_ext.{fn}: {name} must be on q's device ({q.device}); got "
+                          f"{t.device}")
+    if t.stride(-1) != 1 and c != 1:
+        raise FlashExtValueError(
+            f"flash_ext.{fn}: the last dimension of {name} must be contiguous (stride 1); got "
+            f"strides {tuple(t.stride())}")
+    if t.numel() == 0 or not should_check_values(t, CHECK_FLASHMASK_VALUES):
+        return
+    if varlen:  # the per-sequence limits come from cu_seqlens (tensors: identity + version)
+        tensors, params = (t, cu_seqlens_q, cu_seqlens_k), (causal,)
+    else:
+        tensors, params = (t,), (causal, q.shape[1])
+    if _values_checked_before("flashmask", tensors, params):
+        return
+    _check_flashmask_values(fn, t, q, causal, varlen, cu_seqlens_q, cu_seqlens_k)
+    _remember_values_checked("flashmask", tensors, params)
+
+
+def _check_flashmask_values(fn, t, q, causal, varlen, cu_seqlens_q, cu_seqlens_k) -> None:
+    """One small device computation and one .tolist(): the value rules of
+    :func:`check_flashmask_inputs`."""
+    names = _FM_NAMES[(causal, t.shape[-1])]
+    v = t.to(torch.int64)
+    if varlen:  # each column's own sequence's seqlen_q
+        cu_k = cu_seqlens_k.to(v.device, torch.int64)
+        cu_q = cu_seqlens_q.to(v.device, torch.int64)
+        col = torch.arange(t.shape[1], device=v.device)
+        seq = torch.searchsorted(cu_k[1:], col, right=True).clamp(max=cu_q.numel() - 2)
+        sq = (cu_q[1:] - cu_q[:-1])[seq].view(1, -1, 1)
+    else:
+        sq = torch.tensor(q.shape[1], device=v.device)
+    bad_range = (v < 0) | (v > sq)
+    stats = [bad_range.sum()]
+    pairs = [(0, 1)] if len(names) == 2 and names[1] == "LTE" else []
+    if len(names) == 4:
+        pairs = [(0, 1), (2, 3)]
+    for s, e in pairs:
+        stats.append((v[..., s] > v[..., e]).sum())
+    counts = torch.stack(stats).tolist()
+    if counts[0]:
+        where = bad_range.nonzero()[0].tolist()
+        value = int(t[tuple(where)])
+        limit = f"seqlen_q = {q.shape[1]}" if not varlen else \
+            f"its sequence's seqlen_q = {int(sq.reshape(-1)[where[1]])}"
+        raise FlashExtValueError(
+            f"flash_ext.{fn}: startend_row_indices must lie in [0, seqlen_q]; got "
+            f"{names[where[-1]]} = {value} at {tuple(where[:-1])} ({limit}; {counts[0]} bad "
+            f"values)")
+    for (s, e), n in zip(pairs, counts[1:]):
+        if n:
+            where = (v[..., s] > v[..., e]).nonzero()[0].tolist()
+            idx = tuple(where)
+            raise FlashExtValueError(
+                f"flash_ext.{fn}: startend_row_indices must have {names[s]} <= {names[e]}; got "
+                f"{names[s]} = {int(t[idx + (s,)])} > {names[e]} = {int(t[idx + (e,)])} at "
+                f"{idx} ({n} columns)")

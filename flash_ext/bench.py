@@ -8,6 +8,7 @@ process.
     python -m flash_ext.bench --decode      # KV-cache decode: GB/s and us per call (bench_decode.py)
     python -m flash_ext.bench --decode-loop --quick  # greedy decode of a small Llama: tokens/s
                                                      # (bench_decode_loop.py)
+    python -m flash_ext.bench --mask all    # FlashMask vs FlexAttention and SDPA (bench_mask.py)
 
 Backends: flash_ext (attn_fwd and its autograd backward); flash_ext forced onto its
 FlashAttention-2 kernels (ext_sm80); torch.nn.functional.scaled_dot_product_attention restricted
@@ -415,11 +416,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "of a small Llama-architecture model, flash_attn_with_kvcache against "
                         "SDPA, eager and CUDA graph; --quick: 3 cells; --rounds: loops per variant; "
                         "flash_ext/bench_decode_loop.py)")
+    p.add_argument("--mask", default=None, metavar="MASKS",
+                   help="run the mask section instead (flashmask_attention against "
+                        "FlexAttention and SDPA with a dense mask; flash_ext/bench_mask.py): all "
+                        "or a comma-separated list of causal_doc, shared_question, prefix_lm, "
+                        "sliding_window, global_sliding_window, causal_blockwise")
+    p.add_argument("--mask-peers", default="flex,sdpa,causal",
+                   help="the mask section's peers: a comma-separated subset of flex, sdpa, "
+                        "causal (flash_ext's plain causal kernel)")
+    p.add_argument("--sdpa-max-mib", type=float, default=1024.0,
+                   help="the mask section times SDPA only when its dense mask fits this size")
     p.add_argument("--out", default="bench_out", help="directory for the JSON and PNG")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="where to write the PNG of the ratios (default: bench_<directions>.png "
                         "in --out, skipped with a message without matplotlib)")
     args = p.parse_args(argv)
+    if args.mask is not None:
+        from flash_ext import bench_mask
+        try:
+            args.mask_peers = bench_mask.parse_mask_peers(args.mask_peers)
+            bench_mask.apply_mask_defaults(args, args.seqlens is not None, args.hdims is not None)
+        except argparse.ArgumentTypeError as e:
+            p.error(str(e))
     if args.dtypes is None:
         args.dtypes = ["bf16"] if args.quick else ["bf16", "fp16"]
     if args.hdims is None:
@@ -935,6 +953,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from flash_ext.bench_decode_loop import run_decode_loop
         run_decode_loop(quick=args.quick, out_dir=args.out, rounds=args.rounds)
         return 0
+    if args.mask is not None:
+        from flash_ext.bench_mask import run_mask
+        return run_mask(args)
     found, missing = detect_peers(args.peers)
     backends = list(BACKEND_NAMES) + [p for p in PEER_NAMES if p in found]
     configs = make_configs(args.dtypes, args.hdims, args.seqlens, args.causal_modes,

@@ -12,6 +12,9 @@ Semantics (the same as the kernels'):
   ``i + sk - sq - window_left <= j <= i + sk - sq + window_right`` (a bound of -1 is
   unbounded); causal=True sets window_right = 0.
 - lse[b, h, i] = log(sum_j exp(S[i, j])) over the visible keys (natural log, float32).
+- ``attn_mask`` (bool, True = visible), applied where the causal mask is: broadcast to
+  (b, hq, sq, sk), a head dim of 1 or hm (mask heads, hq a multiple of hm: query head h uses
+  mask head h // (hq // hm)). :func:`flashmask_visible` makes one from FlashMask bounds.
 - A row that sees no key gives output 0 and lse = -inf (never NaN).
 - Dropout (``dropout_mask`` given): out = (P * keep / (1 - p)) V with P the softmax above; lse
   is unchanged. The keep mask of the kernels is ``flash_ext._philox.dropout_keep_mask`` (pure
@@ -29,7 +32,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["attention_ref", "attention_ref_varlen", "local_mask", "apply_rotary",
+__all__ = ["attention_ref", "attention_ref_varlen", "local_mask", "flashmask_visible",
+           "flashmask_visible_varlen", "apply_rotary",
            "kvcache_append", "kvcache_gather", "kvcache_attention"]
 
 
@@ -55,7 +59,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   softmax_scale: Optional[float] = None, causal: bool = False,
                   window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                   upcast: bool = True, dropout_p: float = 0.0,
-                  dropout_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  dropout_mask: Optional[torch.Tensor] = None,
+                  attn_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over batched inputs q (b, sq, hq, d), k and v (b, sk, hkv, d).
 
     upcast=True computes in float32 and returns out in float32 (the "fp32 reference").
@@ -64,6 +69,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     dtype: the "low-precision PyTorch" result of FlashAttention's error criterion.
     dropout_mask: bool (b, hq, sq, sk), True = kept; kept probabilities are scaled by
     1 / (1 - dropout_p) (0 for dropout_p = 1).
+    attn_mask: bool, True = visible, (sq, sk) or (b or 1, 1 or hm, sq, sk) with hq a multiple of
+    hm (query head h uses mask head h // (hq // hm)); combined with causal / window.
     Returns (out (b, sq, hq, d), lse (b, hq, sq) float32).
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -87,6 +94,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if causal or wl >= 0 or wr >= 0:
         visible = local_mask(sq, sk, (wl, wr), causal, device=q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~_heads_mask(attn_mask, hq).to(q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows that see nothing (or sk == 0)
     # Subtracting 0 instead of -inf on empty rows makes their probabilities exp(-inf) = 0.
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -106,8 +115,9 @@ def attention_ref_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) and keys [cu_seqlens_k[i], cu_seqlens_k[i+1]).
     Empty sequences are allowed. Loops over the sequences, calling :func:`attention_ref` with
     ``kwargs``; a ``dropout_mask`` (batch, hq, max_seqlen_q, max_seqlen_k) is cut to each
-    sequence's [i, :, :sq_i, :sk_i] corner. Returns (out (total_q, hq, d), lse (hq, total_q)
-    float32)."""
+    sequence's [i, :, :sq_i, :sk_i] corner, and an ``attn_mask`` given as a list (one bool
+    mask per sequence, each as :func:`attention_ref` takes it) is handed out per sequence.
+    Returns (out (total_q, hq, d), lse (hq, total_q) float32)."""
     cq = [int(x) for x in cu_seqlens_q.tolist()]
     ck = [int(x) for x in cu_seqlens_k.tolist()]
     total_q, hq, d = q.shape
@@ -115,16 +125,93 @@ def attention_ref_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.zeros(total_q, hq, d, dtype=out_dtype, device=q.device)
     lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32, device=q.device)
     mask = kwargs.pop("dropout_mask", None)
+    attn_masks = kwargs.pop("attn_mask", None)
     for i in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[i], cq[i + 1], ck[i], ck[i + 1]
         if q1 == q0:
             continue
+        if attn_masks is not None:
+            kwargs["attn_mask"] = attn_masks[i]
         if mask is not None:
             kwargs["dropout_mask"] = mask[i:i + 1, :, :q1 - q0, :k1 - k0]
         o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kwargs)
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
     return out, lse
+
+
+def _heads_mask(attn_mask: torch.Tensor, hq: int) -> torch.Tensor:
+    """attn_mask as (b or 1, 1 or hq, sq, sk): mask heads repeated over their query-head group."""
+    if attn_mask.dtype != torch.bool:
+        raise ValueError("attention_ref: attn_mask must be bool (True = visible)")
+    if attn_mask.dim() == 2:
+        return attn_mask
+    hm = attn_mask.shape[1]
+    if hm in (1, hq):
+        return attn_mask
+    if hq % hm != 0:
+        raise ValueError(f"attention_ref: hq ({hq}) must be a multiple of the mask heads ({hm})")
+    return attn_mask.repeat_interleave(hq // hm, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashMask (flash_ext.flashmask_attention; docs/design-flashmask.md 1, docs/flashmask.md)
+# ----------------------------------------------------------------------------------------------
+
+
+def flashmask_intervals(startend_row_indices: torch.Tensor, seqlen_q: int, causal: bool):
+    """The masked row intervals of each key column, [ls, le) and [us, ue), each (..., sk) int64,
+    from bounds (..., sk, C): causal C=1 [LTS, sq); causal C=2 [LTS, LTE); non-causal C=2
+    [LTS, sq) and [0, UTE); non-causal C=4 [LTS, LTE) and [UTS, UTE). Absent intervals are
+    (0, 0) (empty)."""
+    b = startend_row_indices.long()
+    c = b.shape[-1]
+    ls = b[..., 0]
+    zero = torch.zeros_like(ls)
+    end = torch.full_like(ls, seqlen_q)
+    if causal and c == 1:
+        return ls, end, zero, zero
+    if causal and c == 2:
+        return ls, b[..., 1], zero, zero
+    if not causal and c == 2:
+        return ls, end, zero, b[..., 1]
+    if not causal and c == 4:
+        return ls, b[..., 1], b[..., 2], b[..., 3]
+    raise ValueError(f"flashmask: C = {c} does not fit causal={causal} (causal: 1 or 2; "
+                     f"non-causal: 2 or 4)")
+
+
+def flashmask_visible(startend_row_indices: torch.Tensor, seqlen_q: int, causal: bool,
+                      seqlen_k: Optional[int] = None) -> torch.Tensor:
+    """The dense form of FlashMask bounds: bool (b, hm, seqlen_q, seqlen_k), True = visible.
+
+    startend_row_indices (b, hm, sk, C) (or (hm, sk, C): then the result is (hm, sq, sk)). Row i
+    of column j is masked iff it lies in one of the column's intervals
+    (:func:`flashmask_intervals`) or, with causal, j > i + sk - sq (bottom-right aligned, which
+    for sq == sk is FlashMask's ``j > i``). seqlen_k defaults to the bounds' sk. Vectorized."""
+    sk = startend_row_indices.shape[-2]
+    if seqlen_k is not None and seqlen_k != sk:
+        raise ValueError(f"flashmask_visible: seqlen_k ({seqlen_k}) must equal the bounds' "
+                         f"columns ({sk})")
+    ls, le, us, ue = (t.unsqueeze(-2) for t in
+                      flashmask_intervals(startend_row_indices, seqlen_q, causal))
+    device = startend_row_indices.device
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)  # (sq, 1)
+    masked = ((ls <= i) & (i < le)) | ((us <= i) & (i < ue))
+    if causal:
+        j = torch.arange(sk, device=device).unsqueeze(0)
+        masked = masked | (j > i + (sk - seqlen_q))
+    return ~masked
+
+
+def flashmask_visible_varlen(startend_row_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, causal: bool) -> list:
+    """Varlen bounds (hm, total_k, C): one bool (1, hm, sq_b, sk_b) mask per sequence (the form
+    :func:`attention_ref_varlen` takes as ``attn_mask``)."""
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    return [flashmask_visible(startend_row_indices[:, ck[i]:ck[i + 1]].unsqueeze(0),
+                              cq[i + 1] - cq[i], causal) for i in range(len(cq) - 1)]
 
 
 # ----------------------------------------------------------------------------------------------

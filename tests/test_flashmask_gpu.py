@@ -1,0 +1,420 @@
+"""FlashMask on the GPU (docs/design-flashmask.md 10.2): flashmask_attention forward and backward
+against the float32 reference with the dense mask (flash_ext.reference.flashmask_visible), with
+FlashAttention's criterion as tests/test_fwd_gpu.py and test_bwd_gpu.py apply it:
+
+    max|x - ref| <= 2 * max|pt - ref| + max|round(ref) - ref| + eps
+
+(pt: the same reference in the input dtype). lse within 1e-3 + 1e-3 |ref|, -inf exactly where
+the reference has it. Also: fully masked rows and batches, the kernel-A op
+flash_ext::flashmask_summary against flash_ext/_flashmask_blocks.py bit for bit, the builders
+against flash_ext's window and varlen kernels, torch.compile. Both forward dispatches
+(FLASH_EXT_FWD_PATH=sm80 and auto) where marked.
+"""
+
+
+import pytest
+import torch
+
+import flash_ext
+from flash_ext import _flashmask_blocks as B
+from flash_ext import flashmask_masks as M
+from flash_ext.reference import (attention_ref, attention_ref_varlen, flashmask_visible,
+                                 flashmask_visible_varlen)
+
+from conftest import requires_cuda
+
+pytestmark = requires_cuda
+
+DTYPES = [torch.float16, torch.bfloat16]
+CASES = [(True, 1), (True, 2), (False, 2), (False, 4)]
+
+
+def dname(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=["sm80", "auto"], ids=lambda p: f"fwd_{p}")
+def fwd_path(request, tuning):
+    """FLASH_EXT_FWD_PATH for the tests that take this fixture (FlashMask calls run the sm80
+    kernels on every GPU until the Hopper mask policy lands; auto must agree)."""
+    tuning.set("FLASH_EXT_FWD_PATH", request.param)
+    return request.param
+
+
+def random_bounds(b, hm, sq, sk, causal, c, device="cuda"):
+    x = torch.randint(0, sq + 1, (b, hm, sk, c), device=device)
+    if c == 4 or (causal and c == 2):
+        lo = torch.minimum(x[..., 0::2], x[..., 1::2])
+        hi = torch.maximum(x[..., 0::2], x[..., 1::2])
+        x = torch.stack([lo, hi], dim=-1).flatten(-2)
+    return x.to(torch.int32)
+
+
+def _max_err(x, ref):
+    return (x.float() - ref).abs().max().item() if x.numel() else 0.0
+
+
+def check(name, got, ref, pt, label, grad=False):
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    assert not got.isnan().any(), f"{label}: NaN in {name}"
+    if got.numel() == 0:
+        return
+    err, pt_err = _max_err(got, ref), _max_err(pt, ref)
+    round_err = _max_err(ref.to(got.dtype), ref)
+    bound = 2 * pt_err + round_err + 1e-5 + (1e-4 * ref.abs().max().item() if grad else 0.0)
+    print(f"[{label}] {name} max err {err:.3e} (pt {pt_err:.3e}, bound {bound:.3e})")
+    assert err <= bound, f"{label}: {name} max err {err:.3e} > bound {bound:.3e}"
+
+
+def check_lse(lse, ref_lse, label):
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert not lse.isnan().any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"{label}: -inf mismatch"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        diff = (lse[fin] - ref_lse[fin]).abs()
+        assert (diff <= 1e-3 + 1e-3 * ref_lse[fin].abs()).all(), f"{label}: lse off by " \
+            f"{diff.max().item():.3e}"
+
+
+def _run_with_grads(fn, tensors, dout):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out, lse = fn(*leaves)
+    out.backward(dout.to(out.dtype))
+    return out, lse, [t.grad for t in leaves]
+
+
+def compare(fn, ref_fn, q, k, v, label, backward=True):
+    """fn(q, k, v) -> (out, lse); ref_fn(q, k, v, upcast) -> (out, lse). Forward and gradients
+    against the reference (float32) and plain low precision."""
+    dout = torch.randn_like(q)
+    if backward:
+        out, lse, grads = _run_with_grads(fn, (q, k, v), dout)
+        ref, ref_lse, ref_grads = _run_with_grads(  # float32 leaves: float32 gradients
+            lambda *t: ref_fn(*t, True), (q.float(), k.float(), v.float()), dout.float())
+        pt, _, pt_grads = _run_with_grads(lambda *t: ref_fn(*t, False), (q, k, v), dout)
+    else:
+        out, lse = fn(q, k, v)
+        ref, ref_lse = ref_fn(q.float(), k.float(), v.float(), True)
+        pt, _ = ref_fn(q, k, v, False)
+    assert out.dtype == q.dtype
+    check("out", out, ref, pt, label)
+    check_lse(lse, ref_lse, label)
+    if backward:
+        for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+            check(name, g, r, p, label, grad=True)
+    return out, lse
+
+
+def run_batched(q, k, v, sri, causal, label, softcap=0.0, backward=True, softmax_scale=None):
+    mask = flashmask_visible(sri, q.shape[1], causal)
+
+    def fn(q, k, v):
+        return flash_ext.flashmask_attention(q, k, v, sri, causal=causal, softcap=softcap,
+                                             softmax_scale=softmax_scale, return_lse=True)
+
+    def ref_fn(q, k, v, upcast):
+        return attention_ref(q, k, v, causal=causal, softcap=softcap, attn_mask=mask,
+                             upcast=upcast, softmax_scale=softmax_scale)
+    return compare(fn, ref_fn, q, k, v, label, backward)
+
+
+def qkv(b, sq, sk, hq, hkv, d, dtype):
+    return (torch.randn(b, sq, hq, d, device="cuda", dtype=dtype),
+            torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype),
+            torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Random bounds: every (causal, C), both forward dispatches
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("causal,c", CASES)
+@pytest.mark.parametrize("sq,sk", [(300, 300), (200, 333)])
+def test_random_bounds(fwd_path, dtype, causal, c, sq, sk):
+    q, k, v = qkv(2, sq, sk, 4, 2, 128, dtype)
+    sri = random_bounds(2, 2, sq, sk, causal, c)
+    run_batched(q, k, v, sri, causal, f"{fwd_path} {dname(dtype)} causal={causal} C={c} "
+                f"{sq}x{sk}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,c", [(True, 2), (False, 4)])
+def test_head_dims(dtype, d, causal, c):
+    q, k, v = qkv(1, 257, 257, 2, 2, d, dtype)
+    run_batched(q, k, v, random_bounds(1, 2, 257, 257, causal, c), causal,
+                f"{dname(dtype)} d={d} causal={causal} C={c}")
+
+
+@pytest.mark.parametrize("d", [32, 96, 192, 40])
+def test_more_head_dims(d):
+    q, k, v = qkv(1, 190, 190, 2, 1, d, torch.bfloat16)
+    run_batched(q, k, v, random_bounds(1, 1, 190, 190, False, 2), False, f"d={d}")
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1), (8, 2)])
+@pytest.mark.parametrize("hm_is_hkv", [False, True], ids=["hm1", "hm_hkv"])
+def test_gqa_and_mask_heads(hq, hkv, hm_is_hkv):
+    hm = hkv if hm_is_hkv else 1
+    q, k, v = qkv(2, 211, 211, hq, hkv, 64, torch.bfloat16)
+    run_batched(q, k, v, random_bounds(2, hm, 211, 211, True, 1), True,
+                f"hq={hq} hkv={hkv} hm={hm}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("causal,c", [(True, 1), (False, 2)])
+def test_softcap(dtype, causal, c):
+    q, k, v = qkv(1, 170, 170, 2, 2, 128, dtype)
+    q, k = q * 3, k * 3  # scores large enough for the cap to matter
+    run_batched(q, k, v, random_bounds(1, 2, 170, 170, causal, c), causal,
+                f"softcap {dname(dtype)} causal={causal}", softcap=30.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders
+# ---------------------------------------------------------------------------------------------
+
+
+BUILDERS = ["causal_document", "shared_question", "prefix_lm", "sliding_window",
+            "sliding_window_nc", "global_sliding_window", "causal_blockwise"]
+
+
+def _builders(s):
+    return {
+        "causal_document": M.causal_document([s // 5, 0, 1, s // 3], s, device="cuda"),
+        "shared_question": M.shared_question(s // 4, [s // 8] * 5, s, device="cuda"),
+        "prefix_lm": M.prefix_lm([s // 8, 0], [s // 2, s // 3], s, device="cuda"),
+        "sliding_window": M.sliding_window(97, s, device="cuda"),
+        "sliding_window_nc": M.sliding_window((50, 131), s, causal=False, device="cuda"),
+        "global_sliding_window": M.global_sliding_window(7, 90, s, device="cuda"),
+        "causal_blockwise": M.causal_blockwise([s // 3, 1, s // 4], s, device="cuda"),
+    }
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_builders(fwd_path, name):
+    s = 1000
+    sri, causal = _builders(s)[name]
+    q, k, v = qkv(1, s, s, 4, 2, 64, torch.bfloat16)
+    run_batched(q, k, v, sri.expand(1, 2, s, sri.shape[-1]).contiguous(), causal,
+                f"{fwd_path} {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen
+# ---------------------------------------------------------------------------------------------
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device="cuda")
+
+
+@pytest.mark.parametrize("causal,c", CASES)
+def test_varlen(fwd_path, causal, c):
+    lens_q, lens_k = [130, 0, 7, 300], [130, 0, 20, 260] if not causal else [130, 0, 7, 300]
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    hq, hkv, d = 4, 2, 64
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    sri = torch.cat([random_bounds(1, hkv, lq, lk, causal, c)[0]
+                     for lq, lk in zip(lens_q, lens_k)], dim=1)
+    masks = flashmask_visible_varlen(sri, cu_q, cu_k, causal)
+    mq, mk = max(lens_q), max(lens_k)
+
+    def fn(q, k, v):
+        return flash_ext.flashmask_attention_varlen(q, k, v, sri, cu_q, cu_k, mq, mk,
+                                                    causal=causal, return_lse=True)
+
+    def ref_fn(q, k, v, upcast):
+        return attention_ref_varlen(q, k, v, cu_q, cu_k, causal=causal, attn_mask=masks,
+                                    upcast=upcast)
+    compare(fn, ref_fn, q, k, v, f"{fwd_path} varlen causal={causal} C={c}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fully masked rows and batches
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+def test_fully_masked_rows_and_batches(fwd_path, dtype):
+    s = 260
+    sri = torch.full((3, 1, s, 1), s, dtype=torch.int32, device="cuda")
+    sri[0, 0, :, 0] = torch.arange(1, s + 1, device="cuda").clamp(max=200)  # rows >= 200: none
+    sri[1] = 0  # batch row 1: every row masked
+    q, k, v = (t.requires_grad_() for t in qkv(3, s, s, 2, 1, 128, dtype))
+    out, lse = flash_ext.flashmask_attention(q, k, v, sri, return_lse=True)
+    out.backward(torch.randn_like(out))
+    for t in (out, lse, q.grad, k.grad, v.grad):
+        assert not t.isnan().any()
+    assert (out[0, 200:] == 0).all() and torch.isneginf(lse[0, :, 200:]).all()
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    assert (q.grad[0, 200:] == 0).all() and (q.grad[1] == 0).all()
+    assert (k.grad[1] == 0).all() and (v.grad[1] == 0).all()
+    assert torch.isfinite(lse[0, :, :200]).all() and torch.isfinite(lse[2]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel A against the Python transcription, bit for bit
+# ---------------------------------------------------------------------------------------------
+
+
+def _summary_op():
+    op = getattr(torch.ops.flash_ext, "flashmask_summary", None)
+    if op is None:
+        pytest.skip("this build has no flash_ext::flashmask_summary op")
+    return op
+
+
+@pytest.mark.parametrize("causal,c", CASES)
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_summary_op_matches_python(causal, c, block_n):
+    op = _summary_op()
+    for b, hm, sq, sk in ((2, 2, 300, 333), (1, 1, 128, 128), (3, 1, 5, 1000)):
+        sri = random_bounds(b, hm, sq, sk, causal, c)
+        sri[0, 0, :3, 0] = torch.tensor([0, sq, sq // 2], dtype=torch.int32)
+        nb, kbs = op(sri, sq, sk, None, causal, block_n)
+        want_nb = B.normalize(sri.cpu(), sq, sk, causal)
+        want_kbs = B.summaries(want_nb, sk, block_n, batch=b, seqlen_q=sq)
+        assert nb.shape == want_nb.shape and kbs.shape == want_kbs.shape
+        cols, blocks = B.used_slots(sk, block_n, b)
+        assert torch.equal(nb.cpu()[:, cols], want_nb[:, cols])
+        assert torch.equal(kbs.cpu()[:, blocks], want_kbs[:, blocks])
+    # Strided bounds (a view of a wider tensor) read in place.
+    wide = random_bounds(2, 4, 300, 333, causal, c)
+    view = wide[:, ::2]
+    nb, kbs = op(view, 300, 333, None, causal, block_n)
+    cols, _ = B.used_slots(333, block_n, 2)
+    assert torch.equal(nb.cpu()[:, cols], B.normalize(view.cpu(), 300, 333, causal)[:, cols])
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_summary_op_varlen(block_n):
+    op = _summary_op()
+    lens_q, lens_k = [5, 0, 200, 64, 129], [70, 0, 130, 64, 300]
+    cu_k = _cu(lens_k)
+    for causal, c in CASES:
+        sri = torch.cat([random_bounds(1, 2, lq, lk, causal, c)[0]
+                         for lq, lk in zip(lens_q, lens_k)], dim=1)
+        nb, kbs = op(sri, max(lens_q), max(lens_k), cu_k, causal, block_n)
+        want_nb = B.normalize(sri.cpu(), max(lens_q), max(lens_k), causal, cu_k.cpu())
+        want_kbs = B.summaries(want_nb, max(lens_k), block_n, cu_k.cpu())
+        assert nb.shape == want_nb.shape and kbs.shape == want_kbs.shape
+        cols, blocks = B.used_slots(max(lens_k), block_n, len(lens_k), cu_k.cpu(), sum(lens_k))
+        assert torch.equal(nb.cpu()[:, cols], want_nb[:, cols])
+        assert torch.equal(kbs.cpu()[:, blocks], want_kbs[:, blocks])
+
+
+# ---------------------------------------------------------------------------------------------
+# Against flash_ext's own window and varlen kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("w", [0, 100, 513])
+def test_sliding_window_equals_local_attention(w):
+    s = 777
+    q, k, v = qkv(2, s, s, 4, 2, 128, torch.bfloat16)
+    sri, causal = M.sliding_window(w, s, device="cuda")
+    sri = sri.expand(2, 1, s, 1).contiguous()
+    out, lse = flash_ext.flashmask_attention(q, k, v, sri, causal=causal, return_lse=True)
+    want, want_lse, _ = flash_ext.flash_attn_func(q, k, v, causal=True, window_size=(w, 0),
+                                                  return_attn_probs=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=True, window_size=(w, 0))
+    pt, _ = attention_ref(q, k, v, causal=True, window_size=(w, 0), upcast=False)
+    check("out", out, ref, pt, f"window {w}")
+    check("local out", want, ref, pt, f"window {w}")
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_causal_document_equals_varlen():
+    lens = [300, 1, 0, 650, 73]
+    s = sum(lens)
+    cu = _cu(lens)
+    q, k, v = qkv(1, s, s, 4, 4, 64, torch.bfloat16)
+    sri, causal = M.causal_document(lens, device="cuda")
+    out, lse = flash_ext.flashmask_attention(q, k, v, sri, causal=causal, return_lse=True)
+    want, want_lse, _ = flash_ext.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max(lens),
+                                                         max(lens), causal=True,
+                                                         return_attn_probs=True)
+    ref, ref_lse = attention_ref_varlen(q[0], k[0], v[0], cu, cu, causal=True)
+    pt, _ = attention_ref_varlen(q[0], k[0], v[0], cu, cu, causal=True, upcast=False)
+    check("out", out[0], ref, pt, "causal document")
+    check("varlen out", want, ref, pt, "causal document")
+    torch.testing.assert_close(lse[0], want_lse, atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+# ---------------------------------------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph_equals_eager():
+    s = 300
+    sri, causal = M.prefix_lm(64, [200, 100], s, device="cuda")
+    q, k, v = qkv(1, s, s, 2, 2, 64, torch.bfloat16)
+    dout = torch.randn_like(q)
+
+    def f(q, k, v, sri):
+        return flash_ext.flashmask_attention(q, k, v, sri, causal=causal)
+    compiled = torch.compile(f, fullgraph=True)
+    got = _run_with_grads(lambda *t: (compiled(*t, sri), None), (q, k, v), dout)
+    want = _run_with_grads(lambda *t: (f(*t, sri), None), (q, k, v), dout)
+    assert torch.equal(got[0], want[0])  # the forward is deterministic
+    for g, w in zip(got[2], want[2]):  # the backward may add in another order (atomics)
+        torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Value checks on CUDA bounds; CUDA graphs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_value_check_once_per_version(monkeypatch):
+    from flash_ext import _validation as V
+    calls = []
+    real = V._check_flashmask_values
+    monkeypatch.setattr(V, "_check_flashmask_values", lambda *a: (calls.append(1), real(*a))[1])
+    q, k, v = qkv(1, 64, 64, 2, 2, 64, torch.bfloat16)
+    sri = random_bounds(1, 2, 64, 64, True, 1)
+    for _ in range(3):
+        flash_ext.flashmask_attention(q, k, v, sri)
+    assert len(calls) == 1
+    sri[0, 0, 0, 0] = 65  # an in-place write: checked again, and rejected before any launch
+    with pytest.raises(flash_ext.FlashExtValueError, match="LTS = 65"):
+        flash_ext.flashmask_attention(q, k, v, sri)
+    monkeypatch.setattr(V, "CHECK_FLASHMASK_VALUES", False)
+    sri[0, 0, 0, 0] = 0
+    flash_ext.flashmask_attention(q, k, v, sri)
+    assert len(calls) == 2
+
+
+def test_cuda_graph_replay_with_new_bounds():
+    """A call captures in a CUDA graph (no value check, no host sync while capturing); bounds
+    changed in place between replays take effect."""
+    s = 256
+    q, k, v = qkv(1, s, s, 2, 1, 64, torch.bfloat16)
+    sri = M.causal_document([100, 156], s, device="cuda")[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_ext.flashmask_attention(q, k, v, sri)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_ext.flashmask_attention(q, k, v, sri)
+    for lens in ([100, 156], [30, 200, 26]):
+        sri.copy_(M.causal_document(lens, s, device="cuda")[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = flash_ext.flashmask_attention(q, k, v, sri.clone())
+        assert torch.equal(out, want), lens
