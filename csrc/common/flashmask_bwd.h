@@ -1,0 +1,89 @@
+// FlashMask in a backward CTA that owns one key block (sm80/bwd_kernel.cuh; design
+// docs/design-flashmask.md 3.2). The key block never changes over the CTA's life, so its summary
+// (common/flashmask.h) is read once into registers and every query block of the loop is classified
+// from it with ALU work only: skipped blocks are never loaded nor computed, full ones get only the
+// usual causal / seqlen_k mask, partial ones also the per-column interval test.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cmath>
+
+#include "common/flashmask.h"
+#include "params.h"
+
+namespace flash_ext {
+
+// kEnabled false: an empty shell (every call folds to the no-mask answer), so that the variants
+// FlashMask does not run on (no window, or dropout) compile exactly as before.
+template <int kBlockM, int kBlockN, bool kEnabled>
+struct FlashMaskKeyBlock {
+  int4 skip, full;      // the key block's summary halves
+  const int4* nb;       // bounds of the block's column 0; nullptr: FlashMask is off for this call
+  int seqlen_q;         // of this sequence: the last query block ends there, not at a block edge
+
+  __device__ __forceinline__ FlashMaskKeyBlock(const FwdParams& p, int head, int batch, int n_block,
+                                               int seqlen_q_)
+      : nb(nullptr), seqlen_q(seqlen_q_) {
+    if constexpr (kEnabled) {
+      if (p.has_flashmask) {
+        const FlashMaskView& v = p.fm;
+        const int g = head / v.group;
+        const int4* s = v.kbs + 2 * (g * v.kbs_head_stride + fm_blk0(v, p.cu_seqlens_k, batch) + n_block);
+        skip = __ldg(s);
+        full = __ldg(s + 1);
+        nb = v.nb + g * v.nb_head_stride + fm_col0(v, p.cu_seqlens_k, batch) + int64_t(n_block) * kBlockN;
+      }
+    }
+  }
+
+  __device__ __forceinline__ bool on() const { return kEnabled && nb != nullptr; }
+
+  // kFmSkip / kFmFull / kFmPartial for query block m_block (callers test on() first).
+  __device__ __forceinline__ int classify(int m_block) const {
+    const int r0 = m_block * kBlockM;
+    return fm_classify(skip, full, r0, min(r0 + kBlockM, seqlen_q));
+  }
+
+  // The first query block >= m_block and < m_max that FlashMask does not skip, else m_max. The
+  // same value in every thread (registers and arguments are CTA-uniform), so loops on it stay
+  // uniform and their barriers safe.
+  __device__ __forceinline__ int next_visible(int m_block, int m_max) const {
+    if constexpr (kEnabled) {
+      if (on()) {
+        while (m_block < m_max && classify(m_block) == kFmSkip) ++m_block;
+      }
+    }
+    return m_block;
+  }
+
+  // True when query block m_block needs the per-column test.
+  __device__ __forceinline__ bool partial(int m_block) const {
+    if constexpr (kEnabled) {
+      return on() && classify(m_block) == kFmPartial;
+    } else {
+      return false;
+    }
+  }
+
+  // Masked scores of a (query rows, key columns) tile of query block m_block to -inf. `scores`
+  // and `coords` as BlockMask::apply takes them (coords: (row, col) in the kBlockM x kBlockN tile).
+  // One 16-byte read-only load per column the thread holds: the block's bounds (kBlockN x 16
+  // bytes) stay in L1 over the loop. Columns past seqlen_k read the padding entries the layout
+  // keeps after every sequence (masked in every row, like the usual seqlen_k mask already did).
+  template <typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply(TensorS& scores, const TensorC& coords, int m_block) const {
+    using namespace cute;
+    if constexpr (kEnabled) {
+      const int row0 = m_block * kBlockM;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        const int4 b = __ldg(nb + get<1>(coords(0, c)));
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(scores); ++r) {
+          if (fm_masked(b, row0 + get<0>(coords(r, 0)))) scores(r, c) = -INFINITY;
+        }
+      }
+    }
+  }
+};
+
+}  // namespace flash_ext
