@@ -1,8 +1,13 @@
 // FlashMask in a backward CTA that owns one key block (sm80/bwd_kernel.cuh; design
-// docs/design-flashmask.md 3.2). The key block never changes over the CTA's life, so its summary
-// (common/flashmask.h) is read once into registers and every query block of the loop is classified
-// from it with ALU work only: skipped blocks are never loaded nor computed, full ones get only the
-// usual causal / seqlen_k mask, partial ones also the per-column interval test.
+// docs/design-flashmask.md 3.2). The key block never changes over the CTA's life, so every query
+// block of the loop is classified from the same summary (common/flashmask.h): skipped blocks are
+// never loaded nor computed, full ones get only the usual causal / seqlen_k mask, partial ones
+// also the per-column interval test.
+//
+// The summary is re-read (two 16-byte read-only loads, L1 hits after the first) at each
+// classification rather than held in 8 registers over the loop: the sm80 backward's big tiles
+// already run at 255 registers with spills, and 8 more live values cost every windowed call
+// (causal training included) more spill traffic than the loads cost the FlashMask ones.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cmath>
@@ -16,35 +21,33 @@ namespace flash_ext {
 // FlashMask does not run on (no window, or dropout) compile exactly as before.
 template <int kBlockM, int kBlockN, bool kEnabled>
 struct FlashMaskKeyBlock {
-  int4 skip, full;      // the key block's summary halves
-  const int4* nb;       // bounds of the block's column 0; nullptr: FlashMask is off for this call
+  const int4* kbs;      // the key block's summary pair; nullptr: FlashMask is off for this call
+  const int4* nb;       // bounds of the block's column 0
   int seqlen_q;         // of this sequence: the last query block ends there, not at a block edge
 
   __device__ __forceinline__ FlashMaskKeyBlock(const FwdParams& p, int head, int batch, int n_block,
                                                int seqlen_q_)
-      : nb(nullptr), seqlen_q(seqlen_q_) {
+      : kbs(nullptr), nb(nullptr), seqlen_q(seqlen_q_) {
     if constexpr (kEnabled) {
       if (p.has_flashmask) {
         const FlashMaskView& v = p.fm;
         const int g = head / v.group;
-        const int4* s = v.kbs + 2 * (g * v.kbs_head_stride + fm_blk0(v, p.cu_seqlens_k, batch) + n_block);
-        skip = __ldg(s);
-        full = __ldg(s + 1);
+        kbs = v.kbs + 2 * (g * v.kbs_head_stride + fm_blk0(v, p.cu_seqlens_k, batch) + n_block);
         nb = v.nb + g * v.nb_head_stride + fm_col0(v, p.cu_seqlens_k, batch) + int64_t(n_block) * kBlockN;
       }
     }
   }
 
-  __device__ __forceinline__ bool on() const { return kEnabled && nb != nullptr; }
+  __device__ __forceinline__ bool on() const { return kEnabled && kbs != nullptr; }
 
   // kFmSkip / kFmFull / kFmPartial for query block m_block (callers test on() first).
   __device__ __forceinline__ int classify(int m_block) const {
     const int r0 = m_block * kBlockM;
-    return fm_classify(skip, full, r0, min(r0 + kBlockM, seqlen_q));
+    return fm_classify(__ldg(kbs), __ldg(kbs + 1), r0, min(r0 + kBlockM, seqlen_q));
   }
 
   // The first query block >= m_block and < m_max that FlashMask does not skip, else m_max. The
-  // same value in every thread (registers and arguments are CTA-uniform), so loops on it stay
+  // same value in every thread (the summary and arguments are CTA-uniform), so loops on it stay
   // uniform and their barriers safe.
   __device__ __forceinline__ int next_visible(int m_block, int m_max) const {
     if constexpr (kEnabled) {
