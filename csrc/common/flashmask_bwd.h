@@ -21,29 +21,33 @@ namespace flash_ext {
 // FlashMask does not run on (no window, or dropout) compile exactly as before.
 template <int kBlockM, int kBlockN, bool kEnabled>
 struct FlashMaskKeyBlock {
-  const int4* kbs;      // the key block's summary pair; nullptr: FlashMask is off for this call
-  const int4* nb;       // bounds of the block's column 0
+  // Nothing but the kernel parameters (constant bank) and the CTA's indices: the addresses are
+  // recomputed where used, so a windowed call without FlashMask holds no extra live value.
+  const FwdParams& p;
+  int head, batch, n_block;
   int seqlen_q;         // of this sequence: the last query block ends there, not at a block edge
 
-  __device__ __forceinline__ FlashMaskKeyBlock(const FwdParams& p, int head, int batch, int n_block,
-                                               int seqlen_q_)
-      : kbs(nullptr), nb(nullptr), seqlen_q(seqlen_q_) {
-    if constexpr (kEnabled) {
-      if (p.has_flashmask) {
-        const FlashMaskView& v = p.fm;
-        const int g = head / v.group;
-        kbs = v.kbs + 2 * (g * v.kbs_head_stride + fm_blk0(v, p.cu_seqlens_k, batch) + n_block);
-        nb = v.nb + g * v.nb_head_stride + fm_col0(v, p.cu_seqlens_k, batch) + int64_t(n_block) * kBlockN;
-      }
-    }
-  }
+  __device__ __forceinline__ FlashMaskKeyBlock(const FwdParams& p_, int head_, int batch_,
+                                               int n_block_, int seqlen_q_)
+      : p(p_), head(head_), batch(batch_), n_block(n_block_), seqlen_q(seqlen_q_) {}
 
-  __device__ __forceinline__ bool on() const { return kEnabled && kbs != nullptr; }
+  __device__ __forceinline__ bool on() const { return kEnabled && p.has_flashmask; }
+  // The key block's summary pair, and the bounds of its column 0.
+  __device__ __forceinline__ const int4* kbs() const {
+    const FlashMaskView& v = p.fm;
+    return v.kbs + 2 * ((head / v.group) * v.kbs_head_stride + fm_blk0(v, p.cu_seqlens_k, batch) + n_block);
+  }
+  __device__ __forceinline__ const int4* nb() const {
+    const FlashMaskView& v = p.fm;
+    return v.nb + (head / v.group) * v.nb_head_stride + fm_col0(v, p.cu_seqlens_k, batch) +
+           int64_t(n_block) * kBlockN;
+  }
 
   // kFmSkip / kFmFull / kFmPartial for query block m_block (callers test on() first).
   __device__ __forceinline__ int classify(int m_block) const {
     const int r0 = m_block * kBlockM;
-    return fm_classify(__ldg(kbs), __ldg(kbs + 1), r0, min(r0 + kBlockM, seqlen_q));
+    const int4* s = kbs();
+    return fm_classify(__ldg(s), __ldg(s + 1), r0, min(r0 + kBlockM, seqlen_q));
   }
 
   // The first query block >= m_block and < m_max that FlashMask does not skip, else m_max. The
@@ -77,9 +81,10 @@ struct FlashMaskKeyBlock {
     using namespace cute;
     if constexpr (kEnabled) {
       const int row0 = m_block * kBlockM;
+      const int4* bounds = nb();
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c) {
-        const int4 b = __ldg(nb + get<1>(coords(0, c)));
+        const int4 b = __ldg(bounds + get<1>(coords(0, c)));
         CUTE_UNROLL
         for (int r = 0; r < size<0>(scores); ++r) {
           if (fm_masked(b, row0 + get<0>(coords(r, 0)))) scores(r, c) = -INFINITY;
