@@ -5,9 +5,9 @@
 // also the per-column interval test.
 //
 // The summary is re-read (two 16-byte read-only loads, L1 hits after the first) at each
-// classification rather than held in 8 registers over the loop: the sm80 backward's big tiles
-// already run at 255 registers with spills, and 8 more live values cost every windowed call
-// (causal training included) more spill traffic than the loads cost the FlashMask ones.
+// classification, and its address recomputed from the kernel parameters, rather than held in
+// registers over the loop: the sm80 backward's big tiles already run at 255 registers with
+// spills, and every windowed call (causal training included) would carry those live values.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cmath>
