@@ -36,6 +36,7 @@
 #include "common/bwd_params.h"
 #include "common/copy.h"
 #include "common/dropout.h"
+#include "common/flashmask_bwd.h"
 #include "common/fragment.h"
 #include "common/mask.h"
 #include "common/seqlen.h"
@@ -95,6 +96,12 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
                                                          p.window_right, n_block);
   int m_min, m_max;
   mask.query_block_range(m_min, m_max);
+  // FlashMask (p.has_flashmask) is a runtime mode of the windowed, dropout-free variants: the loop
+  // below visits only the query blocks of [m_min, m_max) that its summary does not skip. No
+  // visible block at all: the empty path (no loads, dK = dV = 0, nothing added to dQ).
+  const FlashMaskKeyBlock<kBlockM, kBlockN, kHasWindow && !kDropout> fm(p, head, batch, n_block,
+                                                                        seq.seqlen_q);
+  m_min = fm.next_visible(m_min, m_max);
 
   // Global memory views.
   const Element* q_base = static_cast<const Element*>(p.q) + seq.q_offset + head * p.q_head_stride;
@@ -243,8 +250,9 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
       cp_async_fence();
     }
 
-    for (int m_block = m_min; m_block < m_max; ++m_block) {
-      const int buf = kPrefetch ? (m_block - m_min) & 1 : 0;
+    int buf = 0;  // kPrefetch: Q/dO/lse/D buffer of m_block, alternating per visited block
+    for (int m_block = m_min, m_next; m_block < m_max; m_block = m_next) {
+      m_next = fm.next_visible(m_block + 1, m_max);
       const int rows_q = seq.seqlen_q - m_block * kBlockM;  // valid query rows of this block
 
       // lse (in log2 units) of this thread's rows, and (one buffer) D. Rows past the sequence
@@ -253,10 +261,10 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
       float lse_log2[kRows], dsum_r[kRows];
       if constexpr (kPrefetch) {
         cp_async_wait<0>();
-        // Block m_block's Q, dO, lse, D (and K, V) landed, and every warp is done with block
-        // m_block - 1: its Q/dO/lse/D buffer (buf ^ 1) and sP, sdS may be overwritten.
+        // Block m_block's Q, dO, lse, D (and K, V) landed, and every warp is done with the block
+        // visited before: its Q/dO/lse/D buffer (buf ^ 1) and sP, sdS may be overwritten.
         __syncthreads();
-        if (m_block + 1 < m_max) load_query_block(m_block + 1, buf ^ 1);
+        if (m_next < m_max) load_query_block(m_next, buf ^ 1);
         cp_async_fence();
         const float* lse_s = s_lse + buf * kBlockM;
         CUTE_UNROLL
@@ -291,6 +299,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
       // (rows, cols) views of S and of its coordinates, as BlockMask::apply takes them.
       Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
       if (mask.needs_mask(m_block)) mask.apply(scores, cS_rows, m_block);
+      if (fm.partial(m_block)) fm.apply(scores, cS_rows, m_block);  // after softcap, before exp
 
       // P = exp(S * scale - lse), recomputed exactly as the forward normalized it.
       CUTE_UNROLL
@@ -393,6 +402,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
       // Every warp must be done with sQ, sdO, sP, sdS before the next loads overwrite them; with
       // kPrefetch the next block's first barrier orders that.
       if constexpr (!kPrefetch) __syncthreads();
+      buf ^= int(kPrefetch);
     }
   }
   // else: no query row sees this key block; dK = dV = 0.

@@ -6,7 +6,10 @@
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
+#include <string>
+
 #include "dispatch/bwd_dispatch.h"
+#include "error.h"
 #include "sm80/bwd_main_launch.h"
 #include "sm80/bwd_preprocess.cuh"
 
@@ -14,11 +17,26 @@ namespace flash_ext {
 
 namespace sm80 {
 
+// FlashMask's contract with the kernels, checked before any launch: no dropout (the dropout
+// variants have no FlashMask mode), and summaries made for the key-block size of the tile the
+// kernel will run (the CTA reads summary n_block of key block n_block).
+inline void check_bwd_flashmask(const BwdParams& p, int kernel_block_n) {
+  if (p.dropout_p > 0.f) raise_error("flash_ext: FlashMask backward: dropout_p must be 0");
+  if (p.fm.block_n != kernel_block_n) {
+    raise_error("flash_ext: FlashMask backward: key-block summaries made for block_n = " +
+                std::to_string(p.fm.block_n) + ", the sm80 backward kernel uses " +
+                std::to_string(kernel_block_n));
+  }
+}
+
 // Masked / unmasked, and dropout / no dropout (separate kernels: the ones without dropout are
-// unchanged).
+// unchanged). FlashMask runs in the windowed, dropout-free variant, also when its window is
+// (-1, -1) (non-causal FlashMask): the window then bounds nothing.
 template <int kHeadDim, bool kIsBf16, bool kBigTile, bool kPrefetch>
 void launch_bwd_main_by_mask(BwdParams& p, cudaStream_t stream) {
-  if (p.dropout_p > 0.f) {
+  if (p.has_flashmask) {
+    launch_bwd_main<kHeadDim, kIsBf16, kBigTile, kPrefetch, true, false>(p, stream);
+  } else if (p.dropout_p > 0.f) {
     if (p.has_window) {
       launch_bwd_main<kHeadDim, kIsBf16, kBigTile, kPrefetch, true, true>(p, stream);
     } else {
@@ -51,10 +69,20 @@ void launch_bwd_main_big_tile(BwdParams& p, cudaStream_t stream) {
 
 }  // namespace sm80
 
+// The key-block size (kBlockN) of the sm80 backward kernel that run_bwd_sm80 launches for this
+// head dim on the current device: the block_n FlashMask's summaries must be made for.
+inline int bwd_sm80_flashmask_block_n(int kernel_head_dim) {
+  const BwdTile big = bwd_sm80_tile(kernel_head_dim, true);
+  const BwdTile small = bwd_sm80_tile(kernel_head_dim, false);
+  const bool one_config = big.block_m == small.block_m && big.block_n == small.block_n && big.warps == small.warps;
+  return one_config ? big.block_n : bwd_sm80_pick_tile(kernel_head_dim).block_n;
+}
+
 template <int kHeadDim, bool kIsBf16>
 void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
   using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
   if (p.batch == 0 || p.heads_q == 0) return;
+  if (p.has_flashmask) sm80::check_bwd_flashmask(p, bwd_sm80_flashmask_block_n(kHeadDim));
 
   if (p.seqlen_q > 0) {
     constexpr int kPreWarps = 8, kPreRows = kPreWarps * 4;

@@ -4,6 +4,10 @@
 #include "common/kernel_smem.h"
 #include <cuda_runtime.h>
 
+#include <string>
+
+#include "error.h"
+
 #include "sm80/bwd_kernel.cuh"
 #include "sm80/bwd_main_launch.h"
 
@@ -20,6 +24,13 @@ void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
       return &bwd_kernel<Traits, kHasWindow, kDropout>;
     }
   }();
+  // The kernel reads summary n_block for key block n_block, and only these variants have the
+  // FlashMask mode (run_bwd_sm80 checks both before the preprocess; this is the last word).
+  if (p.has_flashmask && (!kHasWindow || kDropout || p.fm.block_n != Traits::kBlockN)) {
+    raise_error("flash_ext: FlashMask backward: summaries for block_n " + std::to_string(p.fm.block_n) +
+                " reached a kernel variant with kBlockN " + std::to_string(Traits::kBlockN) +
+                (kHasWindow && !kDropout ? "" : " and no FlashMask mode"));
+  }
   constexpr int smem = kPrefetch ? Traits::kSmemBytesV2 : Traits::kSmemBytes;
   if constexpr (smem > 48 * 1024) {
     set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
