@@ -546,6 +546,13 @@ def check_alibi_slopes(name: str, alibi_slopes, q, batch: int, heads_q: int,
             f"{name}: alibi_slopes together with softcap > 0 is not supported")
 
 
+def check_attn_probs_alibi(alibi_slopes) -> None:
+    """return_attn_probs with dropout rebuilds P without the bias: not with alibi_slopes."""
+    if alibi_slopes is not None:
+        raise FlashExtNotImplementedError(
+            "flash_ext: return_attn_probs=True with dropout_p > 0 and alibi_slopes is not supported")
+
+
 def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] = (-1, -1),
                      softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
                      max_seqlen_q=None, max_seqlen_k=None, out=None, dropout_p=0.0,

@@ -122,9 +122,7 @@ def _run(q, k, v, dropout_p, return_attn_probs: bool, fwd=attn_fwd, **kw):
         return out
     if dropout_p == 0:
         return out, lse, None
-    if kw.get("alibi_slopes") is not None:
-        raise FlashExtNotImplementedError(
-            "flash_ext: return_attn_probs=True with dropout_p > 0 and alibi_slopes is not supported")
+    _validation.check_attn_probs_alibi(kw.get("alibi_slopes"))
     s_dmask = _dropped_probs(
         q, k, lse, res[2], dropout_p, kw.get("softmax_scale"), kw.get("causal", False),
         _validation.window_pair(kw.get("window_size", (-1, -1))), kw.get("softcap", 0.0),
