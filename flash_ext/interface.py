@@ -137,7 +137,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """q (b, sq, hq, d), k and v (b, sk, hkv, d) -> out (b, sq, hq, d)
     [or (out, lse, S_dmask) with return_attn_probs]."""
-    if return_attn_probs is False:
+    if return_attn_probs is False and alibi_slopes is None:
         args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                           dropout_p)
         if args is not None:  # attn_fwd's fast path, without its call
@@ -153,7 +153,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """q (b, sq, hq, d), kv (b, sk, 2, hkv, d) -> out (b, sq, hq, d)."""
     fn = "flash_attn_kvpacked_func"
     k, v = _unpack(fn, "kv", kv, 2, 2, 5, "(batch, seqlen_k, 2, nheads_kv, headdim)")
-    if return_attn_probs is False:
+    if return_attn_probs is False and alibi_slopes is None:
         args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                           dropout_p)
         if args is not None:  # attn_fwd's fast path, without its call
@@ -169,7 +169,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """qkv (b, s, 3, h, d) -> out (b, s, h, d)."""
     fn = "flash_attn_qkvpacked_func"
     q, k, v = _unpack(fn, "qkv", qkv, 2, 3, 5, "(batch, seqlen, 3, nheads, headdim)")
-    if return_attn_probs is False:
+    if return_attn_probs is False and alibi_slopes is None:
         args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                           dropout_p)
         if args is not None:  # attn_fwd's fast path, without its call
