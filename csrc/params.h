@@ -105,6 +105,11 @@ struct FwdParams {
   // for this direction's kBlockN. false / zero for every other call.
   alignas(8) bool has_flashmask;
   FlashMaskView fm;
+
+  // ALiBi (common/alibi.h): fp32 slopes, slope of (b, h) at alibi_slopes[b * alibi_batch_stride
+  // + h] (stride 0 for (heads_q,) slopes); nullptr = off. Runs in the windowed sm80 kernels.
+  const float* __restrict__ alibi_slopes;
+  int64_t alibi_batch_stride;
 #ifdef FLASH_EXT_SM90_TRACE
   // The timeline buffer of a trace build (sm90/fwd_trace.h; nullptr: no trace). Only in builds
   // with FLASH_EXT_SM90_TRACE=1, which setup.py defines for every file alike.

@@ -172,7 +172,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
              deterministic: bool = False,
              out: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-             rng_state: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None):
+             rng_state: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
+             alibi_slopes: Optional[torch.Tensor] = None):
     """Exact attention forward. Returns ``(out, lse)``, or ``(out, lse, rng_state)`` when
     ``dropout_p > 0``.
 
@@ -216,6 +217,10 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             or v requires grad (with grad mode on). Such calls run the sm80 kernel on every GPU
             (the Hopper kernel's tensor maps would read the unused keys). Its values are checked
             under the cu_seqlens policy (flash_ext/_validation.py). Works with dropout.
+        alibi_slopes: float32 (nheads_q,) or (batch, nheads_q) on q's device (FlashAttention-2's
+            ALiBi): the score of query i and key j gets - slope * |i + sk - sq - j| (per
+            sequence for varlen). Differentiable; runs the FlashAttention-2 (sm80) kernels on
+            every GPU; not together with softcap > 0.
 
     Returns:
         out: q's shape and dtype.
@@ -225,7 +230,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             from; pass it to :func:`attn_bwd` (autograd does that itself).
     """
     if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None \
-            and max_seqlen_k is None and out is None and rng_state is None and seqused_k is None:
+            and max_seqlen_k is None and out is None and rng_state is None and seqused_k is None \
+            and alibi_slopes is None:
         args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                           dropout_p)
         if args is not None:
@@ -234,18 +240,19 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, out=out, dropout_p=dropout_p, rng_state=rng_state,
-        seqused_k=seqused_k)
+        seqused_k=seqused_k, alibi_slopes=alibi_slopes)
     return _attn_fwd_checked(q, k, v, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                              max_seqlen_k=max_seqlen_k, deterministic=deterministic, out=out,
-                             dropout_p=dropout_p, rng_state=rng_state, seqused_k=seqused_k)
+                             dropout_p=dropout_p, rng_state=rng_state, seqused_k=seqused_k,
+                             alibi_slopes=alibi_slopes)
 
 
 def _attn_fwd_checked(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                       softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                       max_seqlen_k=None, deterministic=False, out=None, dropout_p=0.0,
-                      rng_state=None, seqused_k=None):
+                      rng_state=None, seqused_k=None, alibi_slopes=None):
     """attn_fwd for arguments its checks (or a caller's own, equivalent ones: the paged varlen
     path of flash_attn_varlen_func) have passed: the same keywords, the same results."""
     varlen = cu_seqlens_q is not None
@@ -255,16 +262,17 @@ def _attn_fwd_checked(q, k, v, *, softmax_scale=None, causal=False, window_size=
             rng_state = ops._dropout_rng_state(q)
         o, lse = _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap,
                                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                deterministic, out, varlen, dropout_p, rng_state, seqused_k)
+                                deterministic, out, varlen, dropout_p, rng_state, seqused_k,
+                                alibi_slopes)
         return o, lse, rng_state
     return _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q,
                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, out, varlen,
-                          0.0, None, seqused_k)
+                          0.0, None, seqused_k, alibi_slopes)
 
 
 def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, out, varlen: bool,
-                   dropout_p: float, rng_state, seqused_k=None):
+                   dropout_p: float, rng_state, seqused_k=None, alibi_slopes=None):
     """attn_fwd after the checks: (out, lse). Differentiable through flash_ext::fwd's autograd
     formula, which reads `deterministic` from the op's arguments. seqused_k goes to the ops by
     keyword, and only when given (so that calls without it make the same op call as before)."""
@@ -279,6 +287,8 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
             extra["seqused_k"] = seqused_k.contiguous()
     else:
         mq = mk = 0
+    if alibi_slopes is not None:
+        extra["alibi_slopes"] = alibi_slopes
 
     if ops._nothing_to_do(q, k, varlen, mq, mk):
         # Nothing to launch: no query rows, or no key at all (every row fully masked).
@@ -315,7 +325,8 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
              deterministic: bool = False, dq: Optional[torch.Tensor] = None,
              dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
-             dropout_p: float = 0.0, rng_state: Optional[torch.Tensor] = None
+             dropout_p: float = 0.0, rng_state: Optional[torch.Tensor] = None,
+             alibi_slopes: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact attention backward: the gradients of ``out = attn_fwd(q, k, v, ...)`` with respect
     to q, k, v, given dout (the gradient with respect to out). Returns ``(dq, dk, dv)``.
@@ -333,6 +344,7 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             the gradients into; each one given is returned as is.
         dropout_p, rng_state: the forward's dropout probability and the rng_state it returned
             (required when dropout_p > 0: the backward regenerates the same mask).
+        alibi_slopes: the forward's ALiBi slopes (see :func:`attn_fwd`).
 
     Returns:
         dq, dk, dv: shaped like q, k, v in their dtype: the given tensors, else new ones
@@ -345,7 +357,7 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """
     if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None \
             and max_seqlen_k is None and dq is None and dk is None and dv is None \
-            and rng_state is None:
+            and rng_state is None and alibi_slopes is None:
         grads = _attn_bwd_fast(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
                                softcap, deterministic, dropout_p)
         if grads is not None:
@@ -354,10 +366,11 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dout, q, k, v, out, lse, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq=dq, dk=dk, dv=dv,
-        dropout_p=dropout_p, rng_state=rng_state)
+        dropout_p=dropout_p, rng_state=rng_state, alibi_slopes=alibi_slopes)
     dropout_p = float(dropout_p)
     if dropout_p == 0.0:
         rng_state = None
+    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
     d = q.shape[-1]
     args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
     if varlen:
@@ -380,7 +393,7 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             else:
                 tensors = tuple(_aligned(t) for t in tensors)
             grads = ops._bwd(*tensors, lse, cu_seqlens_q, cu_seqlens_k, mq, mk, *args,
-                             bool(deterministic), dropout_p, rng_state)
+                             bool(deterministic), dropout_p, rng_state, **extra)
             if d_pad != d:
                 grads = tuple(g[..., :d] for g in grads)
         result = []

@@ -88,7 +88,6 @@ __all__ = [
     "check_lse",
     "check_fwd_inputs",
     "check_bwd_inputs",
-    "check_unsupported",
     "check_packed",
     "check_sdpa_inputs",
     "check_unpad_inputs",
@@ -530,10 +529,45 @@ def check_lse(lse: torch.Tensor, q: torch.Tensor, varlen: bool) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def check_alibi_slopes(name: str, alibi_slopes, q, batch: int, heads_q: int,
+                       softcap: float = 0.0) -> None:
+    """alibi_slopes of the prefill functions: float32 (nheads_q,) or (batch, nheads_q) on q's
+    device, last dim contiguous; not together with softcap > 0 (the backward recovers the
+    softcap derivative from P, which would carry the bias)."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise FlashExtTypeError(
+            f"{name}: alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise FlashExtTypeError(
+            f"{name}: alibi_slopes must be float32; got {_dtype_name(alibi_slopes.dtype)}")
+    if alibi_slopes.device != q.device:
+        raise DeviceError(
+            f"{name}: alibi_slopes must be on q's device ({q.device}); got {alibi_slopes.device}")
+    if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise FlashExtValueError(
+            f"{name}: alibi_slopes must have shape (nheads,) = ({heads_q},) or (batch, nheads) = "
+            f"({batch}, {heads_q}); got {_shape(alibi_slopes)}")
+    if alibi_slopes.stride(-1) != 1:
+        raise FlashExtValueError(f"{name}: alibi_slopes must be contiguous in its last dim")
+    if softcap is not None and float(softcap) > 0:
+        raise FlashExtNotImplementedError(
+            f"{name}: alibi_slopes together with softcap > 0 is not supported")
+
+
+def check_attn_probs_alibi(alibi_slopes) -> None:
+    """return_attn_probs with dropout rebuilds P without the bias: not with alibi_slopes."""
+    if alibi_slopes is not None:
+        raise FlashExtNotImplementedError(
+            "flash_ext: return_attn_probs=True with dropout_p > 0 and alibi_slopes is not supported")
+
+
 def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] = (-1, -1),
                      softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
                      max_seqlen_q=None, max_seqlen_k=None, out=None, dropout_p=0.0,
-                     rng_state=None, seqused_k=None, require_cuda: bool = True) -> bool:
+                     rng_state=None, seqused_k=None, alibi_slopes=None,
+                     require_cuda: bool = True) -> bool:
     """All checks of one forward call (attn_fwd), in the order of the module docstring.
     Returns True for a varlen call."""
     check_dropout(dropout_p, rng_state)
@@ -544,6 +578,9 @@ def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] 
                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_like(out, q, "out", "q")
     check_out_without_grad(out, q, k, v)
+    if alibi_slopes is not None:
+        batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+        check_alibi_slopes("flash_ext", alibi_slopes, q, batch, q.shape[-2], softcap)
     if seqused_k is not None:
         check_seqused_k(seqused_k, varlen, cu_seqlens_k)
         check_forward_only(q, k, v)
@@ -558,7 +595,7 @@ def check_bwd_inputs(dout, q, k, v, out, lse, *, softmax_scale=None,
                      window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                      dq=None, dk=None, dv=None, dropout_p=0.0, rng_state=None,
-                     require_cuda: bool = True) -> bool:
+                     alibi_slopes=None, require_cuda: bool = True) -> bool:
     """All checks of one backward call (attn_bwd), in the forward's order: dropout (with the
     forward's rng_state required when dropout_p > 0), devices, the forward's checks on q, k, v
     and the arguments, then dout and out (q's shape and dtype), lse (float32, the forward's lse
@@ -577,6 +614,9 @@ def check_bwd_inputs(dout, q, k, v, out, lse, *, softmax_scale=None,
     check_like(dq, q, "dq", "q")
     check_like(dk, k, "dk", "k")
     check_like(dv, v, "dv", "v")
+    if alibi_slopes is not None:
+        batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+        check_alibi_slopes("flash_ext", alibi_slopes, q, batch, q.shape[-2], softcap)
     return varlen
 
 
@@ -645,16 +685,6 @@ def _remember_values_checked(kind: str, tensors: tuple, params: tuple) -> None:
 # The FlashAttention-compatible functions (flash_ext.interface): their own arguments, checked
 # before attn_fwd's checks
 # ----------------------------------------------------------------------------------------------
-
-
-def check_unsupported(fn: str, alibi_slopes, block_table=None) -> None:
-    """FlashAttention arguments flash_ext does not implement (NotImplementedError)."""
-    if alibi_slopes is not None:
-        raise FlashExtNotImplementedError(f"flash_ext.{fn}: alibi_slopes are not supported yet")
-    if block_table is not None:  # flash_attn_varlen_func and flash_attn_with_kvcache take it
-        raise FlashExtNotImplementedError(
-            f"flash_ext.{fn}: block_table (paged KV cache) is not supported by this function; "
-            f"flash_attn_varlen_func and flash_attn_with_kvcache take it")
 
 
 def check_packed(fn: str, name: str, t, dim: int, n: int, ndim: int, layout: str) -> None:

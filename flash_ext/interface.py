@@ -38,8 +38,9 @@ Both are forward only (FlashExtNotImplementedError when q, k or v requires grad)
 block_table gathers the used pages into a padded contiguous K and V first (flash_ext/paged_kv.py:
 O(batch * max_seqlen_k) extra memory, no host sync), then runs the varlen forward.
 
-Not supported yet by the functions above (FlashExtNotImplementedError, a NotImplementedError):
-alibi_slopes (flash_attn_with_kvcache takes it).
+ALiBi: ``alibi_slopes`` float32 (nheads,) or (batch, nheads), FlashAttention-2's meaning: the
+score of query i and key j gets - slope * |i + seqlen_k - seqlen_q - j| (forward and backward;
+these calls run the FlashAttention-2 (sm80) kernels on every GPU; not together with softcap).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def _run(q, k, v, dropout_p, return_attn_probs: bool, fwd=attn_fwd, **kw):
         return out
     if dropout_p == 0:
         return out, lse, None
+    _validation.check_attn_probs_alibi(kw.get("alibi_slopes"))
     s_dmask = _dropped_probs(
         q, k, lse, res[2], dropout_p, kw.get("softmax_scale"), kw.get("causal", False),
         _validation.window_pair(kw.get("window_size", (-1, -1))), kw.get("softcap", 0.0),
@@ -135,14 +137,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """q (b, sq, hq, d), k and v (b, sk, hkv, d) -> out (b, sq, hq, d)
     [or (out, lse, S_dmask) with return_attn_probs]."""
-    _validation.check_unsupported("flash_attn_func", alibi_slopes)
-    if return_attn_probs is False:
+    if return_attn_probs is False and alibi_slopes is None:
         args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                           dropout_p)
         if args is not None:  # attn_fwd's fast path, without its call
             return ops._fwd(q, k, v, None, None, 0, 0, *args, 0.0, None, deterministic)[0]
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
-                causal=causal, window_size=window_size, softcap=softcap,
+                causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                 deterministic=deterministic)
 
 
@@ -151,15 +152,14 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              deterministic=False, return_attn_probs=False):
     """q (b, sq, hq, d), kv (b, sk, 2, hkv, d) -> out (b, sq, hq, d)."""
     fn = "flash_attn_kvpacked_func"
-    _validation.check_unsupported(fn, alibi_slopes)
     k, v = _unpack(fn, "kv", kv, 2, 2, 5, "(batch, seqlen_k, 2, nheads_kv, headdim)")
-    if return_attn_probs is False:
+    if return_attn_probs is False and alibi_slopes is None:
         args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                           dropout_p)
         if args is not None:  # attn_fwd's fast path, without its call
             return ops._fwd(q, k, v, None, None, 0, 0, *args, 0.0, None, deterministic)[0]
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
-                causal=causal, window_size=window_size, softcap=softcap,
+                causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                 deterministic=deterministic)
 
 
@@ -168,15 +168,14 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               deterministic=False, return_attn_probs=False):
     """qkv (b, s, 3, h, d) -> out (b, s, h, d)."""
     fn = "flash_attn_qkvpacked_func"
-    _validation.check_unsupported(fn, alibi_slopes)
     q, k, v = _unpack(fn, "qkv", qkv, 2, 3, 5, "(batch, seqlen, 3, nheads, headdim)")
-    if return_attn_probs is False:
+    if return_attn_probs is False and alibi_slopes is None:
         args = _fast_args(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                           dropout_p)
         if args is not None:  # attn_fwd's fast path, without its call
             return ops._fwd(q, k, v, None, None, 0, 0, *args, 0.0, None, deterministic)[0]
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
-                causal=causal, window_size=window_size, softcap=softcap,
+                causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                 deterministic=deterministic)
 
 
@@ -205,15 +204,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     With either, the call is forward only: FlashExtNotImplementedError when q, k or v requires
     grad (grad mode on)."""
     fn = "flash_attn_varlen_func"
-    _validation.check_unsupported(fn, alibi_slopes)
     if block_table is not None:
         return _varlen_paged(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              block_table, seqused_k, dropout_p, return_attn_probs,
                              softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                             softcap=softcap, deterministic=deterministic)
+                             softcap=softcap, deterministic=deterministic, alibi_slopes=alibi_slopes)
     kw = {} if seqused_k is None else {"seqused_k": seqused_k}
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
-                causal=causal, window_size=window_size, softcap=softcap,
+                causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                 deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                 **kw)
@@ -228,6 +226,8 @@ def _varlen_paged(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqle
     _validation.check_paged_varlen_inputs(
         fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         block_table, seqused_k, kw["softmax_scale"], kw["window_size"], kw["softcap"], dropout_p)
+    _validation.check_alibi_slopes(fn, kw["alibi_slopes"], q, cu_seqlens_q.shape[0] - 1, q.shape[-2],
+                                   kw["softcap"])
     mk = int(max_seqlen_k)
     batch = cu_seqlens_q.shape[0] - 1
     k, v = paged_kv.gather_paged_kv(k_cache, v_cache, block_table, mk)
@@ -245,10 +245,9 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     return_attn_probs=False):
     """q (total_q, hq, d), kv (total_k, 2, hkv, d) -> out (total_q, hq, d)."""
     fn = "flash_attn_varlen_kvpacked_func"
-    _validation.check_unsupported(fn, alibi_slopes)
     k, v = _unpack(fn, "kv", kv, 1, 2, 4, "(total_k, 2, nheads_kv, headdim)")
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
-                causal=causal, window_size=window_size, softcap=softcap,
+                causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                 deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
@@ -259,9 +258,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      return_attn_probs=False):
     """qkv (total, 3, h, d), cu_seqlens int32 (batch + 1,) -> out (total, h, d)."""
     fn = "flash_attn_varlen_qkvpacked_func"
-    _validation.check_unsupported(fn, alibi_slopes)
     q, k, v = _unpack(fn, "qkv", qkv, 1, 3, 4, "(total, 3, nheads, headdim)")
     return _run(q, k, v, dropout_p, return_attn_probs, softmax_scale=softmax_scale,
-                causal=causal, window_size=window_size, softcap=softcap,
+                causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                 deterministic=deterministic, cu_seqlens_q=cu_seqlens,
                 cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)

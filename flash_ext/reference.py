@@ -60,7 +60,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                   upcast: bool = True, dropout_p: float = 0.0,
                   dropout_mask: Optional[torch.Tensor] = None,
-                  attn_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  attn_mask: Optional[torch.Tensor] = None,
+                  alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over batched inputs q (b, sq, hq, d), k and v (b, sk, hkv, d).
 
     upcast=True computes in float32 and returns out in float32 (the "fp32 reference").
@@ -71,6 +72,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     1 / (1 - dropout_p) (0 for dropout_p = 1).
     attn_mask: bool, True = visible, (sq, sk) or (b or 1, 1 or hm, sq, sk) with hq a multiple of
     hm (query head h uses mask head h // (hq // hm)); combined with causal / window.
+    alibi_slopes: fp32 (hq,) or (b, hq); score (i, j) gets - slope * |i + sk - sq - j| after
+    scaling (and softcap), before the mask (FlashAttention-2's ALiBi).
     Returns (out (b, sq, hq, d), lse (b, hq, sq) float32).
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -90,6 +93,11 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.float()
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().to(q.device).expand(b, hq).reshape(b, hq, 1, 1)
+        i = torch.arange(sq, device=q.device).view(sq, 1)
+        j = torch.arange(sk, device=q.device).view(1, sk)
+        scores = scores - slopes * (i + sk - sq - j).abs().float()
     wl, wr = window_size
     if causal or wl >= 0 or wr >= 0:
         visible = local_mask(sq, sk, (wl, wr), causal, device=q.device)
@@ -115,8 +123,9 @@ def attention_ref_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) and keys [cu_seqlens_k[i], cu_seqlens_k[i+1]).
     Empty sequences are allowed. Loops over the sequences, calling :func:`attention_ref` with
     ``kwargs``; a ``dropout_mask`` (batch, hq, max_seqlen_q, max_seqlen_k) is cut to each
-    sequence's [i, :, :sq_i, :sk_i] corner, and an ``attn_mask`` given as a list (one bool
-    mask per sequence, each as :func:`attention_ref` takes it) is handed out per sequence.
+    sequence's [i, :, :sq_i, :sk_i] corner, an ``attn_mask`` given as a list (one bool
+    mask per sequence, each as :func:`attention_ref` takes it) is handed out per sequence, and
+    (batch, hq) ``alibi_slopes`` are cut to row i.
     Returns (out (total_q, hq, d), lse (hq, total_q) float32)."""
     cq = [int(x) for x in cu_seqlens_q.tolist()]
     ck = [int(x) for x in cu_seqlens_k.tolist()]
@@ -126,6 +135,7 @@ def attention_ref_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32, device=q.device)
     mask = kwargs.pop("dropout_mask", None)
     attn_masks = kwargs.pop("attn_mask", None)
+    slopes = kwargs.pop("alibi_slopes", None)
     for i in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[i], cq[i + 1], ck[i], ck[i + 1]
         if q1 == q0:
@@ -134,6 +144,8 @@ def attention_ref_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kwargs["attn_mask"] = attn_masks[i]
         if mask is not None:
             kwargs["dropout_mask"] = mask[i:i + 1, :, :q1 - q0, :k1 - k0]
+        if slopes is not None:
+            kwargs["alibi_slopes"] = slopes if slopes.dim() == 1 else slopes[i:i + 1]
         o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kwargs)
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]

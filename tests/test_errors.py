@@ -119,8 +119,8 @@ BAD_CALLS = {
     "bwd-lse": (lambda: flash_ext.attn_bwd(q4, q4, k4, k4, q4, lse.double()), TypeError),
     "bwd-dropout": (lambda: flash_ext.attn_bwd(q4, q4, k4, k4, q4, lse, dropout_p=0.1),
                     ValueError),
-    "func-alibi": (lambda: flash_ext.flash_attn_func(q4, k4, k4, alibi_slopes=torch.ones(4)),
-                   NotImplementedError),
+    "func-alibi": (lambda: flash_ext.flash_attn_func(q4, k4, k4, alibi_slopes=torch.ones(4, dtype=torch.float64)),
+                   TypeError),
     "qkvpacked-shape": (lambda: flash_ext.flash_attn_qkvpacked_func(t(2, 16, 2, 4, 64)),
                         ValueError),
     "varlen-cu-values": (lambda: flash_ext.flash_attn_varlen_func(

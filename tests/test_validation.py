@@ -452,14 +452,6 @@ def test_dropout_out_of_range(seed):
         flash_ext.flash_attn_func(q, k, v, dropout_p=1.5)
 
 
-def test_alibi_not_implemented(seed):
-    q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        flash_ext.flash_attn_func(q, k, v, alibi_slopes=torch.ones(4))
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        flash_ext.flash_attn_qkvpacked_func(t(2, 16, 3, 4, 64), alibi_slopes=torch.ones(4))
-
-
 def test_block_table_needs_paged_caches(seed, meta_ok):
     # block_table is supported (tests/test_paged_prefill.py); plain varlen k, v do not go with it.
     q, k, v, kw = varlen_inputs()

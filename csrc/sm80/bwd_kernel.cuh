@@ -38,6 +38,7 @@
 #include "common/dropout.h"
 #include "common/flashmask_bwd.h"
 #include "common/fragment.h"
+#include "common/alibi.h"
 #include "common/mask.h"
 #include "common/seqlen.h"
 #include "common/softmax.h"
@@ -219,6 +220,10 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
   // Softcap: S' = cap * tanh(S * scale / cap) and dS_raw = dS' * (1 - (S'/cap)^2) * scale. S' is
   // recovered from P = exp(S' - lse) as ln(P) + lse = (log2(P) + lse * log2(e)) * ln(2).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
+  // ALiBi (windowed variants only; the host rejects it with softcap, whose derivative above is
+  // recovered from P and would carry the bias).
+  const bool use_alibi = kHasWindow && p.alibi_slopes != nullptr;
+  const float slope = use_alibi ? alibi_slope(p, batch, head) : 0.f;
   const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
                         p.dropout_threshold);  // used only when kDropout
   const float dropout_scale = p.dropout_scale;
@@ -298,6 +303,9 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
       if (use_softcap) apply_softcap(acc_s, softmax_scale / p.softcap, p.softcap);
       // (rows, cols) views of S and of its coordinates, as BlockMask::apply takes them.
       Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
+      if (use_alibi) {
+        apply_alibi(scores, cS_rows, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k - seq.seqlen_q, slope);
+      }
       if (mask.needs_mask(m_block)) mask.apply(scores, cS_rows, m_block);
       if (fm.partial(m_block)) fm.apply(scores, cS_rows, m_block);  // after softcap, before exp
 

@@ -16,6 +16,7 @@
 #pragma once
 #include <cute/tensor.hpp>
 
+#include "common/alibi.h"
 #include "common/copy.h"
 #include "common/dropout.h"
 #include "common/flashmask_tile.h"
@@ -122,6 +123,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   const bool use_softcap = p.softcap > 0.f;
   const float scale_log2 = p.softmax_scale_log2;
+  // ALiBi runs in the windowed variants only (the host selects them for it).
+  const bool use_alibi = kHasWindow && p.alibi_slopes != nullptr;
+  const float slope = use_alibi ? alibi_slope(p, batch, head) : 0.f;
   const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
                         p.dropout_threshold);  // used only when kDropout
 
@@ -158,6 +162,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     gemm_ss(mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, s2r_q, s2r_k, tid);
     if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
     Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
+    if (use_alibi) {
+      apply_alibi(scores, cS_rows, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k - seq.seqlen_q, slope);
+    }
     if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);
     if constexpr (kFmVariant) {
       if (flashmask && fm.touches(p.fm, n_block, m_block * kBlockM, fm_r1)) {  // kFmPartial
