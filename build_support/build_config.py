@@ -123,17 +123,20 @@ class Family:
 def _bwd_sm80_splits() -> tuple[Split, ...]:
     """The sm80 backward's main-kernel variants (csrc/sm80/bwd_main_launch.h), by tile
     and feed (big tile with bwd_kernel "v1" or bwd_kernel_v2 "v2", small tile "small_v1"), each
-    with the window x dropout variants. The small tile differs from the big one above d = 64 only
+    with the window x dropout variants and the windowed ALiBi one. The small tile differs from the big one above d = 64 only
     (bwd_has_small_tile there, checked against the tile table when run_bwd_sm80 compiles)."""
     fn = ("flash_ext::sm80::launch_bwd_main<{{hdim}}, {{is_bf16}}, {big}, {prefetch}, {window}, "
-          "{dropout}>(flash_ext::BwdParams&, cudaStream_t)")
+          "{dropout}{alibi}>(flash_ext::BwdParams&, cudaStream_t)")
     feeds = (("big_v1", "true", "false", None),
              ("big_v2", "true", "true", None),
              ("small_v1", "false", "false", tuple(d for d in ALL_HEADDIMS if d > 64)))
     return tuple(
         Split(suffix=suffix, header="sm80/bwd_main_launch.cuh",
-              functions=tuple(fn.format(big=big, prefetch=prefetch, window=w, dropout=dr)
-                              for dr in ("false", "true") for w in ("false", "true")),
+              functions=tuple(fn.format(big=big, prefetch=prefetch, window=w, dropout=dr, alibi="")
+                              for dr in ("false", "true") for w in ("false", "true"))
+              # ALiBi: the windowed, dropout-free variant with the bias (sm80/bwd_kernel.cuh)
+              + (fn.format(big=big, prefetch=prefetch, window="true", dropout="false",
+                           alibi=", true"),),
               hdims=hdims)
         for suffix, big, prefetch, hdims in feeds)
 

@@ -9,9 +9,9 @@
 //   undefined (no zero tensors filled per backward); a missing gradient of out becomes zeros only
 //   when bwd runs;
 // - a call with nothing to compute (no query row or no key) gets zero gradients, no launch;
-// - bwd gets the forward's deterministic, dropout_p, rng_state and startend_row_indices
-//   (FlashMask's bounds, saved with the tensors);
-// - one gradient slot per op argument (17): q, k, v get theirs, the others none;
+// - bwd gets the forward's deterministic, dropout_p, rng_state, startend_row_indices (FlashMask's
+//   bounds) and alibi_slopes, the tensors saved with the others;
+// - one gradient slot per op argument (18): q, k, v get theirs, the others none;
 // - seqused_k is forward only: a call that would record a graph with it raises before any launch;
 // - dout is made what the ops read in place (last dim contiguous, other strides and the storage
 //   offset multiples of 8 elements), copied only when it is not.
@@ -37,11 +37,11 @@ using OptTensor = std::optional<at::Tensor>;
 using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const OptTensor&, const OptTensor&, int64_t, int64_t, double,
                                                   bool, int64_t, int64_t, double, double, const OptTensor&, bool,
-                                                  const OptTensor&, const OptTensor&);
+                                                  const OptTensor&, const OptTensor&, const OptTensor&);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const OptTensor&, const OptTensor&, int64_t, int64_t, double, bool, int64_t, int64_t, double, bool, double,
-    const OptTensor&, const OptTensor&);
+    const OptTensor&, const OptTensor&, const OptTensor&);
 
 const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flash_ext::fwd", "").typed<FwdSig>();
@@ -79,27 +79,29 @@ bool nothing_to_do(const at::Tensor& q, const at::Tensor& k, bool varlen, int64_
 OptTensor optional_of(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 // The op's arguments by position (saved tensors, then saved_data by name).
-enum Saved { kQ, kK, kV, kOut, kLse, kCuQ, kCuK, kRng, kBounds };
+enum Saved { kQ, kK, kV, kOut, kLse, kCuQ, kCuK, kRng, kBounds, kAlibi };
 
-constexpr size_t kFwdArgs = 17;  // arguments of flash_ext::fwd: one gradient slot each
+constexpr size_t kFwdArgs = 18;  // arguments of flash_ext::fwd: one gradient slot each
 
 struct FwdFunction : public torch::autograd::Function<FwdFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, int64_t max_seqlen_q,
                                int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
                                int64_t window_right, double softcap, double dropout_p, const OptTensor& rng_state,
-                               bool deterministic, const OptTensor& startend_row_indices) {
+                               bool deterministic, const OptTensor& startend_row_indices,
+                               const OptTensor& alibi_slopes) {
     at::Tensor out, lse;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, lse) = fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-                                         rng_state, deterministic, startend_row_indices, std::nullopt);
+                                         rng_state, deterministic, startend_row_indices, std::nullopt,
+                                         alibi_slopes);
     }
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q.value_or(at::Tensor()),
                             cu_seqlens_k.value_or(at::Tensor()), rng_state.value_or(at::Tensor()),
-                            startend_row_indices.value_or(at::Tensor())});
+                            startend_row_indices.value_or(at::Tensor()), alibi_slopes.value_or(at::Tensor())});
     auto& d = ctx->saved_data;
     d["max_seqlen_q"] = max_seqlen_q;
     d["max_seqlen_k"] = max_seqlen_k;
@@ -133,7 +135,7 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
                       max_seqlen_k, d.at("softmax_scale").toDouble(), d.at("causal").toBool(),
                       d.at("window_left").toInt(), d.at("window_right").toInt(), d.at("softcap").toDouble(),
                       d.at("deterministic").toBool(), d.at("dropout_p").toDouble(), optional_of(s[kRng]),
-                      optional_of(s[kBounds]));
+                      optional_of(s[kBounds]), optional_of(s[kAlibi]));
     result[0] = std::move(dq);
     result[1] = std::move(dk);
     result[2] = std::move(dv);
@@ -149,12 +151,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(c10::DispatchKeySet ks, const at
                                                 int64_t max_seqlen_k, double softmax_scale, bool causal,
                                                 int64_t window_left, int64_t window_right, double softcap,
                                                 double dropout_p, const OptTensor& rng_state, bool deterministic,
-                                                const OptTensor& startend_row_indices, const OptTensor& seqused_k) {
+                                                const OptTensor& startend_row_indices, const OptTensor& seqused_k,
+                                                const OptTensor& alibi_slopes) {
   const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   if (!record) {
     return fwd_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                               softcap, dropout_p, rng_state, deterministic, startend_row_indices, seqused_k);
+                               softcap, dropout_p, rng_state, deterministic, startend_row_indices, seqused_k,
+                               alibi_slopes);
   }
   // No backward reads seqused_k: refuse rather than return gradients of the wrong problem.
   FLASH_EXT_CHECK(!seqused_k.has_value(),
@@ -163,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(c10::DispatchKeySet ks, const at
   const variable_list r =
       FwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                          window_left, window_right, softcap, dropout_p, rng_state, deterministic,
-                         startend_row_indices);
+                         startend_row_indices, alibi_slopes);
   // lse leaves detached: no gradient flows through it. (Not mark_non_differentiable: compiled
   // autograd refuses C++ nodes that have non-differentiable outputs.)
   return {r[0], r[1].detach()};

@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
     bool deterministic, double dropout_p, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& startend_row_indices) {
+    const std::optional<at::Tensor>& startend_row_indices, const std::optional<at::Tensor>& alibi_slopes) {
   const AttnShape s = check_attention_inputs({q, k, v, out, &dout, &lse_in}, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, softmax_scale, softcap, window_left,
                                              window_right);
@@ -60,6 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const TuningOverrides overrides = tuning_overrides();
   p.variant = overrides.bwd_variant;
   p.has_flashmask = startend_row_indices.has_value();  // routing reads it; p.fm is filled below
+  if (alibi_slopes.has_value()) set_alibi_params(p, *alibi_slopes, q, s, softcap, dropout_p);
   const KernelChoice kernel = choose_bwd_kernel(p, dev, overrides);
   const bool sm90 = kernel.path == KernelPath::kSm90;
 
@@ -189,7 +190,8 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
       "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
       "int window_left, int window_right, float softcap, bool deterministic, float dropout_p=0.0, "
-      "Tensor? rng_state=None, Tensor? startend_row_indices=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? rng_state=None, Tensor? startend_row_indices=None, Tensor? alibi_slopes=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("bwd", &flash_ext::bwd); }

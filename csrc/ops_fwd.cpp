@@ -84,7 +84,7 @@ at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
                    int64_t window_left, int64_t window_right, double softcap, double dropout_p,
                    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& startend_row_indices,
-                   const std::optional<at::Tensor>& seqused_k) {
+                   const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& alibi_slopes) {
   const AttnShape s = check_attention_inputs({q, k, v, out}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale, softcap, window_left, window_right);
   if (seqused_k.has_value()) check_seqused_k(*seqused_k, q, s);
@@ -100,6 +100,7 @@ at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   fill_common_params(p, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left,
                      window_right, softcap, dropout_p, rng_state);
   p.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
+  if (alibi_slopes.has_value()) set_alibi_params(p, *alibi_slopes, q, s, softcap, dropout_p);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor lse = s.varlen ? at::empty({s.heads_q, s.total_q}, f32) : at::empty({s.batch, s.heads_q, s.seqlen_q}, f32);
   p.lse = lse.data_ptr<float>();
@@ -118,12 +119,13 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
                                        int64_t window_left, int64_t window_right, double softcap,
                                        double dropout_p, const std::optional<at::Tensor>& rng_state,
                                        bool deterministic, const std::optional<at::Tensor>& startend_row_indices,
-                                       const std::optional<at::Tensor>& seqused_k) {
+                                       const std::optional<at::Tensor>& seqused_k,
+                                       const std::optional<at::Tensor>& alibi_slopes) {
   (void)deterministic;
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   at::Tensor lse = forward(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                            causal, window_left, window_right, softcap, dropout_p, rng_state, startend_row_indices,
-                           seqused_k);
+                           seqused_k, alibi_slopes);
   return {out, lse};
 }
 
@@ -132,9 +134,11 @@ at::Tensor fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
                    int64_t window_left, int64_t window_right, double softcap, double dropout_p,
                    const std::optional<at::Tensor>& rng_state,
-                   const std::optional<at::Tensor>& startend_row_indices, const std::optional<at::Tensor>& seqused_k) {
+                   const std::optional<at::Tensor>& startend_row_indices, const std::optional<at::Tensor>& seqused_k,
+                   const std::optional<at::Tensor>& alibi_slopes) {
   return forward(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                 window_left, window_right, softcap, dropout_p, rng_state, startend_row_indices, seqused_k);
+                 window_left, window_right, softcap, dropout_p, rng_state, startend_row_indices, seqused_k,
+                 alibi_slopes);
 }
 
 }  // namespace
@@ -148,12 +152,13 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
       "float softcap, float dropout_p=0.0, Tensor? rng_state=None, bool deterministic=False, "
-      "Tensor? startend_row_indices=None, Tensor? seqused_k=None) -> (Tensor out, Tensor lse)");
+      "Tensor? startend_row_indices=None, Tensor? seqused_k=None, Tensor? alibi_slopes=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, "
       "int window_right, float softcap, float dropout_p=0.0, Tensor? rng_state=None, "
-      "Tensor? startend_row_indices=None, Tensor? seqused_k=None) -> Tensor");
+      "Tensor? startend_row_indices=None, Tensor? seqused_k=None, Tensor? alibi_slopes=None) -> Tensor");
 #ifdef FLASH_EXT_SM90_TRACE
   m.def("sm90_trace_buffer(Tensor? buf) -> ()", &flash_ext::sm90_trace_buffer);
 #endif

@@ -5,7 +5,7 @@ Importing ``flash_ext._C`` registers, in C++ (csrc/ops_*.cpp):
     torch.ops.flash_ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, softcap,
                             dropout_p=0.0, rng_state=None, deterministic=False,
-                            startend_row_indices=None, seqused_k=None) -> (out, lse)
+                            startend_row_indices=None, seqused_k=None, alibi_slopes=None) -> (out, lse)
     torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, ...as fwd, without
                             deterministic...) -> lse   (writes out)
 
@@ -16,7 +16,7 @@ kernel refuses it when a graph would be recorded (no backward reads it).
     torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, causal, window_left, window_right,
                             softcap, deterministic, dropout_p=0.0, rng_state=None,
-                            startend_row_indices=None) -> (dq, dk, dv)
+                            startend_row_indices=None, alibi_slopes=None) -> (dq, dk, dv)
     torch.ops.flash_ext.flashmask_summary(startend_row_indices, seqlen_q, seqlen_k,
                             cu_seqlens_k, causal, block_n) -> (nb, kbs)   (FlashMask's kernel A
                             alone, tests only: :data:`_flashmask_summary`)
@@ -139,7 +139,7 @@ def _nothing_to_do(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q:
 @torch.library.register_fake("flash_ext::fwd")
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
               causal, window_left, window_right, softcap, dropout_p=0.0, rng_state=None,
-              deterministic=False, startend_row_indices=None, seqused_k=None):
+              deterministic=False, startend_row_indices=None, seqused_k=None, alibi_slopes=None):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -148,14 +148,14 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 @torch.library.register_fake("flash_ext::fwd_out")
 def _fwd_out_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-                  rng_state=None, startend_row_indices=None, seqused_k=None):
+                  rng_state=None, startend_row_indices=None, seqused_k=None, alibi_slopes=None):
     return q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
 @torch.library.register_fake("flash_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic,
-              dropout_p=0.0, rng_state=None, startend_row_indices=None):
+              dropout_p=0.0, rng_state=None, startend_row_indices=None, alibi_slopes=None):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
@@ -267,7 +267,7 @@ returns lse."""
 _bwd = torch.ops.flash_ext.bwd.default
 """torch.ops.flash_ext.bwd: (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
-dropout_p=0.0, rng_state=None, startend_row_indices=None) -> (dq, dk, dv), new contiguous
+dropout_p=0.0, rng_state=None, startend_row_indices=None, alibi_slopes=None) -> (dq, dk, dv), new contiguous
 tensors."""
 
 

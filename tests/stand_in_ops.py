@@ -28,18 +28,19 @@ SCHEMAS = (
     ("fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
      "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, "
      "int window_right, float softcap, float dropout_p=0.0, Tensor? rng_state=None, "
-     "bool deterministic=False, Tensor? startend_row_indices=None, Tensor? seqused_k=None) "
-     "-> (Tensor out, Tensor lse)", ()),
+     "bool deterministic=False, Tensor? startend_row_indices=None, Tensor? seqused_k=None, "
+     "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)", ()),
     ("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor? cu_seqlens_q, "
      "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
      "bool causal, int window_left, int window_right, float softcap, float dropout_p=0.0, "
-     "Tensor? rng_state=None, Tensor? startend_row_indices=None, Tensor? seqused_k=None) "
-     "-> Tensor", ()),
+     "Tensor? rng_state=None, Tensor? startend_row_indices=None, Tensor? seqused_k=None, "
+     "Tensor? alibi_slopes=None) -> Tensor", ()),
     ("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
      "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
      "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
      "bool deterministic, float dropout_p=0.0, Tensor? rng_state=None, "
-     "Tensor? startend_row_indices=None) -> (Tensor dq, Tensor dk, Tensor dv)", ()),
+     "Tensor? startend_row_indices=None, Tensor? alibi_slopes=None) "
+     "-> (Tensor dq, Tensor dk, Tensor dv)", ()),
     ("flashmask_summary(Tensor startend_row_indices, int seqlen_q, int seqlen_k, "
      "Tensor? cu_seqlens_k, bool causal, int block_n) -> (Tensor nb, Tensor kbs)", ()),
     ("dropout_rng_state(Tensor q) -> Tensor", (torch.Tag.nondeterministic_seeded,)),
@@ -89,22 +90,23 @@ def _fwd_setup_context(ctx, inputs, output):
         raise RuntimeError("flash_ext: seqused_k / block_table: forward only (no backward); q, k "
                            "or v requires grad. Call it under torch.no_grad() or with inputs "
                            "that do not require grad")
+    alibi_slopes = inputs[17]
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
-                          startend_row_indices)
+                          startend_row_indices, alibi_slopes)
     ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                 softcap, bool(deterministic), float(dropout_p))
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, startend_row_indices = \
-        ctx.saved_tensors
+    (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, startend_row_indices,
+     alibi_slopes) = ctx.saved_tensors
     (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
      deterministic, dropout_p) = ctx.args
     if _nothing_to_do(q, k, cu_seqlens_q is not None, max_seqlen_q, max_seqlen_k):
-        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 14
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)) + (None,) * 15
     if grad_out is None:  # out does not reach the loss
         grad_out = torch.zeros_like(out, memory_format=torch.contiguous_format)
     elif not _rows_aligned(grad_out):
@@ -112,8 +114,8 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     grads = torch.ops.flash_ext.bwd(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                     window_left, window_right, softcap, deterministic, dropout_p,
-                                    rng_state, startend_row_indices)
-    return tuple(grads) + (None,) * 14  # one slot per argument of fwd (17)
+                                    rng_state, startend_row_indices, alibi_slopes)
+    return tuple(grads) + (None,) * 15  # one slot per argument of fwd (18)
 
 
 def install(autograd: bool = True) -> None:

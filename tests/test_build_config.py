@@ -123,8 +123,8 @@ def test_sm90_trace_knob():
 
 def test_bwd_sm80_one_file_per_head_dim_and_dtype():
     # The sm80 backward of one (head dim, dtype) compiles in one file: its launcher plus every
-    # main-kernel variant (csrc/sm80/bwd_main_launch.h): tile x feed x window x dropout, the small
-    # tile above d = 64 only (bwd_has_small_tile in that header).
+    # main-kernel variant (csrc/sm80/bwd_main_launch.h): tile x feed x (window x dropout, and the
+    # windowed ALiBi one), the small tile above d = 64 only (bwd_has_small_tile in that header).
     fam = next(f for f in bc.FAMILIES if f.name == "bwd_sm80")
     for d in fam.hdims:
         files = bc.family_files(fam, d, "bf16")
@@ -132,7 +132,7 @@ def test_bwd_sm80_one_file_per_head_dim_and_dtype():
         _, headers, functions = files[0]
         assert headers == ("sm80/bwd_launch.cuh", "sm80/bwd_main_launch.cuh")
         variants = [f for f in functions if "launch_bwd_main" in f]
-        assert len(variants) == (12 if d > 64 else 8) and len(set(variants)) == len(variants)
+        assert len(variants) == (15 if d > 64 else 10) and len(set(variants)) == len(variants)
     # A narrowed build selects just its files.
     cfg = bc.BuildConfig.from_env({"FLASH_EXT_HEADDIMS": "128", "FLASH_EXT_DTYPES": "fp16"})
     files = bc.instantiation_files(cfg)

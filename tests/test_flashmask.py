@@ -577,7 +577,8 @@ def _dense_from_op_args(sri, cu_q, cu_k, q, k, causal):
 
 
 def _cpu_fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, wl, wr, softcap, dropout_p=0.0,
-             rng_state=None, deterministic=False, startend_row_indices=None):
+             rng_state=None, deterministic=False, startend_row_indices=None, seqused_k=None,
+             alibi_slopes=None):
     assert startend_row_indices is not None and dropout_p == 0.0
     assert (wl, wr) == ((-1, 0) if causal else (-1, -1))
     assert q.shape[-1] % 8 == 0
@@ -591,7 +592,8 @@ def _cpu_fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, wl, wr, softcap, dropou
 
 
 def _cpu_bwd(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, scale, causal, wl, wr, softcap,
-             deterministic, dropout_p=0.0, rng_state=None, startend_row_indices=None):
+             deterministic, dropout_p=0.0, rng_state=None, startend_row_indices=None,
+             alibi_slopes=None):
     assert startend_row_indices is not None
     with torch.enable_grad():
         qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))

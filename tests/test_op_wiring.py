@@ -67,8 +67,10 @@ class CpuKernels:
 
     def fwd(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-            rng_state=None, deterministic=False, startend_row_indices=None, seqused_k=None):
+            rng_state=None, deterministic=False, startend_row_indices=None, seqused_k=None,
+            alibi_slopes=None):
         assert seqused_k is None, "tests/test_paged_prefill.py covers seqused_k"
+        assert alibi_slopes is None, "tests/test_alibi*.py cover alibi_slopes"
         assert startend_row_indices is None, "the CPU kernels have no FlashMask"
         self.calls.append(("fwd", deterministic))
         out, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
@@ -77,8 +79,9 @@ class CpuKernels:
 
     def fwd_out(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0,
-                rng_state=None, startend_row_indices=None, seqused_k=None):
+                rng_state=None, startend_row_indices=None, seqused_k=None, alibi_slopes=None):
         assert seqused_k is None, "tests/test_paged_prefill.py covers seqused_k"
+        assert alibi_slopes is None, "tests/test_alibi*.py cover alibi_slopes"
         assert startend_row_indices is None, "the CPU kernels have no FlashMask"
         self.calls.append(("fwd_out", None))
         o, lse = self._forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
@@ -101,8 +104,10 @@ class CpuKernels:
 
     def bwd(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-            deterministic, dropout_p=0.0, rng_state=None, startend_row_indices=None):
+            deterministic, dropout_p=0.0, rng_state=None, startend_row_indices=None,
+            alibi_slopes=None):
         assert startend_row_indices is None, "the CPU kernels have no FlashMask"
+        assert alibi_slopes is None, "tests/test_alibi*.py cover alibi_slopes"
         self.calls.append(("bwd", deterministic))
         assert dropout_p == 0.0, "the CPU kernels have no dropout"
         args = (softmax_scale, causal, window_left, window_right, softcap)

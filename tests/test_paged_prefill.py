@@ -57,12 +57,14 @@ class SequsedKernels:
         return out.to(q.dtype).contiguous(), lse.contiguous()
 
     def fwd(self, q, k, v, cu_q, cu_k, mq, mk, scale, causal, wl, wr, softcap, dropout_p=0.0,
-            rng_state=None, deterministic=False, startend_row_indices=None, seqused_k=None):
+            rng_state=None, deterministic=False, startend_row_indices=None, seqused_k=None,
+            alibi_slopes=None):
         assert dropout_p == 0.0
         return self._forward(q, k, v, cu_q, cu_k, scale, causal, wl, wr, softcap, seqused_k)
 
     def fwd_out(self, q, k, v, out, cu_q, cu_k, mq, mk, scale, causal, wl, wr, softcap,
-                dropout_p=0.0, rng_state=None, startend_row_indices=None, seqused_k=None):
+                dropout_p=0.0, rng_state=None, startend_row_indices=None, seqused_k=None,
+                alibi_slopes=None):
         o, lse = self._forward(q, k, v, cu_q, cu_k, scale, causal, wl, wr, softcap, seqused_k)
         out.copy_(o)
         return lse
@@ -369,7 +371,7 @@ def _paged_call(**over):
      FlashExtValueError, "block_table[1, 1] = 9"),
     (dict(block_table=torch.tensor([[0, 1, 0], [2, 3, 0]], dtype=torch.int32, device="meta")),
      DeviceError, "block_table on meta"),
-    (dict(alibi_slopes=torch.ones(4)), FlashExtNotImplementedError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), FlashExtTypeError, "alibi_slopes must be float32"),
     (dict(softcap="x"), FlashExtTypeError, "softcap must be a float"),
 ])
 def test_block_table_validation(kernels, over, cls, msg):

@@ -73,7 +73,8 @@ bool tma_compatible(const FwdParams& p) {
 KernelChoice choose_fwd_kernel(const FwdParams& p, const DeviceInfo& dev, const TuningOverrides& o) {
   const int sm90_kd = kernel_head_dim<Family::kFwdSm90>(p.head_dim);
   const bool sm90_ok = dev.major == 9 && sm90_kd != 0 && dtype_built(p.is_bf16) && tma_compatible(p) &&
-                       !(p.dropout_p > 0.f) && (!p.has_flashmask || flashmask_on_sm90_fwd());
+                       !(p.dropout_p > 0.f) && p.alibi_slopes == nullptr &&
+                       (!p.has_flashmask || flashmask_on_sm90_fwd());
   if (o.fwd_path == PathChoice::kSm90 && p.seqused_k != nullptr) {
     raise_error("flash_ext: FLASH_EXT_FWD_PATH=sm90 cannot run seqused_k (or block_table): the Hopper forward's "
                 "tensor maps would read the unused keys; unset FLASH_EXT_FWD_PATH (these calls run the sm80 kernel)");
@@ -83,7 +84,7 @@ KernelChoice choose_fwd_kernel(const FwdParams& p, const DeviceInfo& dev, const 
     if (p.has_flashmask && !flashmask_on_sm90_fwd()) reject_forced_sm90_flashmask("FLASH_EXT_FWD_PATH");
     if (!sm90_ok) {
       raise_error("flash_ext: FLASH_EXT_FWD_PATH=sm90 needs an sm90 GPU and a build with 90a in FLASH_EXT_ARCHS "
-                  "covering head dim " + std::to_string(p.head_dim) + " and dropout_p = 0" + kBuildInfo);
+                  "covering head dim " + std::to_string(p.head_dim) + " and dropout_p = 0 (ALiBi runs on the sm80 kernels)" + kBuildInfo);
     }
     return {path, sm90_kd};
   }
@@ -114,15 +115,15 @@ KernelChoice choose_bwd_kernel(const BwdParams& p, const DeviceInfo& dev, const 
                             (p.batch == 1 || p.do_batch_stride > 0);
   const bool sm90_ok = dev.major == 9 && sm90_kd != 0 && dtype_built(p.is_bf16) && p.cu_seqlens_q == nullptr &&
                        !p.deterministic && !(p.dropout_p > 0.f) && tma_compatible(p) && dout_strides &&
-                       (!p.has_flashmask || flashmask_on_sm90_bwd());
+                       p.alibi_slopes == nullptr && (!p.has_flashmask || flashmask_on_sm90_bwd());
   const KernelPath path = resolve(o.bwd_path, sm90_ok);
   if (path == KernelPath::kSm90) {
     if (p.has_flashmask && !flashmask_on_sm90_bwd()) reject_forced_sm90_flashmask("FLASH_EXT_BWD_PATH");
     if (!sm90_ok) {
       raise_error("flash_ext: FLASH_EXT_BWD_PATH=sm90 needs an sm90 GPU, a build with 90a in FLASH_EXT_ARCHS "
                   "covering head dim " + std::to_string(p.head_dim) +
-                  " (the Hopper backward has head dims <= 128 and 193-256), no cu_seqlens, deterministic=False "
-                  "and dropout_p = 0" + kBuildInfo);
+                  " (the Hopper backward has head dims <= 128 and 193-256), no cu_seqlens, deterministic=False, "
+                  "dropout_p = 0 and no ALiBi" + kBuildInfo);
     }
     return {path, sm90_kd};
   }

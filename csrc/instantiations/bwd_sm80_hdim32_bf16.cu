@@ -6,7 +6,9 @@ template void flash_ext::sm80::launch_bwd_main<32, true, true, false, false, fal
 template void flash_ext::sm80::launch_bwd_main<32, true, true, false, true, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<32, true, true, false, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<32, true, true, false, true, true>(flash_ext::BwdParams&, cudaStream_t);
+template void flash_ext::sm80::launch_bwd_main<32, true, true, false, true, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<32, true, true, true, false, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<32, true, true, true, true, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<32, true, true, true, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<32, true, true, true, true, true>(flash_ext::BwdParams&, cudaStream_t);
+template void flash_ext::sm80::launch_bwd_main<32, true, true, true, true, false, true>(flash_ext::BwdParams&, cudaStream_t);

@@ -6,7 +6,9 @@ template void flash_ext::sm80::launch_bwd_main<64, false, true, false, false, fa
 template void flash_ext::sm80::launch_bwd_main<64, false, true, false, true, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<64, false, true, false, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<64, false, true, false, true, true>(flash_ext::BwdParams&, cudaStream_t);
+template void flash_ext::sm80::launch_bwd_main<64, false, true, false, true, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<64, false, true, true, false, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<64, false, true, true, true, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<64, false, true, true, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<64, false, true, true, true, true>(flash_ext::BwdParams&, cudaStream_t);
+template void flash_ext::sm80::launch_bwd_main<64, false, true, true, true, false, true>(flash_ext::BwdParams&, cudaStream_t);

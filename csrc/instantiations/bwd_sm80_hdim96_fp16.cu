@@ -6,11 +6,14 @@ template void flash_ext::sm80::launch_bwd_main<96, false, true, false, false, fa
 template void flash_ext::sm80::launch_bwd_main<96, false, true, false, true, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, true, false, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, true, false, true, true>(flash_ext::BwdParams&, cudaStream_t);
+template void flash_ext::sm80::launch_bwd_main<96, false, true, false, true, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, true, true, false, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, true, true, true, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, true, true, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, true, true, true, true>(flash_ext::BwdParams&, cudaStream_t);
+template void flash_ext::sm80::launch_bwd_main<96, false, true, true, true, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, false, false, false, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, false, false, true, false>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, false, false, false, true>(flash_ext::BwdParams&, cudaStream_t);
 template void flash_ext::sm80::launch_bwd_main<96, false, false, false, true, true>(flash_ext::BwdParams&, cudaStream_t);
+template void flash_ext::sm80::launch_bwd_main<96, false, false, false, true, false, true>(flash_ext::BwdParams&, cudaStream_t);

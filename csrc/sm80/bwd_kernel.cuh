@@ -73,7 +73,7 @@ __device__ __forceinline__ auto shifted(const T& t, int offset) {
 }
 
 // One CTA of the main kernel: key block blockIdx.x of (head blockIdx.y, batch blockIdx.z).
-template <typename Traits, bool kHasWindow, bool kDropout, bool kPrefetch>
+template <typename Traits, bool kHasWindow, bool kDropout, bool kPrefetch, bool kAlibi>
 __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -220,10 +220,10 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
   // Softcap: S' = cap * tanh(S * scale / cap) and dS_raw = dS' * (1 - (S'/cap)^2) * scale. S' is
   // recovered from P = exp(S' - lse) as ln(P) + lse = (log2(P) + lse * log2(e)) * ln(2).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
-  // ALiBi (windowed variants only; the host rejects it with softcap, whose derivative above is
-  // recovered from P and would carry the bias).
-  const bool use_alibi = kHasWindow && p.alibi_slopes != nullptr;
-  const float slope = use_alibi ? alibi_slope(p, batch, head) : 0.f;
+  // ALiBi (the host rejects it with softcap, whose derivative above is recovered from P and
+  // would carry the bias).
+  constexpr bool use_alibi = kAlibi;  // a variant of its own, so that the others keep their registers
+  const float slope = kAlibi ? alibi_slope(p, batch, head) : 0.f;
   const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
                         p.dropout_threshold);  // used only when kDropout
   const float dropout_scale = p.dropout_scale;
@@ -303,7 +303,7 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
       if (use_softcap) apply_softcap(acc_s, softmax_scale / p.softcap, p.softcap);
       // (rows, cols) views of S and of its coordinates, as BlockMask::apply takes them.
       Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
-      if (use_alibi) {
+      if constexpr (use_alibi) {
         apply_alibi(scores, cS_rows, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k - seq.seqlen_q, slope);
       }
       if (mask.needs_mask(m_block)) mask.apply(scores, cS_rows, m_block);
@@ -419,16 +419,16 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
                                  p.head_dim, tid);
 }
 
-template <typename Traits, bool kHasWindow, bool kDropout>
+template <typename Traits, bool kHasWindow, bool kDropout, bool kAlibi = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams p) {
   extern __shared__ __align__(128) char smem_raw[];
-  bwd_key_block<Traits, kHasWindow, kDropout, /*kPrefetch=*/false>(p, smem_raw);
+  bwd_key_block<Traits, kHasWindow, kDropout, /*kPrefetch=*/false, kAlibi>(p, smem_raw);
 }
 
-template <typename Traits, bool kHasWindow, bool kDropout>
+template <typename Traits, bool kHasWindow, bool kDropout, bool kAlibi = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel_v2(const __grid_constant__ BwdParams p) {
   extern __shared__ __align__(128) char smem_raw[];
-  bwd_key_block<Traits, kHasWindow, kDropout, /*kPrefetch=*/true>(p, smem_raw);
+  bwd_key_block<Traits, kHasWindow, kDropout, /*kPrefetch=*/true, kAlibi>(p, smem_raw);
 }
 
 }  // namespace flash_ext::sm80

@@ -29,12 +29,14 @@ inline void check_bwd_flashmask(const BwdParams& p, int kernel_block_n) {
   }
 }
 
-// Masked / unmasked, and dropout / no dropout (separate kernels: the ones without dropout are
-// unchanged). FlashMask runs in the windowed, dropout-free variant, also when its window is
+// Masked / unmasked, dropout / no dropout, ALiBi (separate kernels: the ones without dropout
+// or ALiBi are unchanged). FlashMask runs in the windowed, dropout-free variant, also when its window is
 // (-1, -1) (non-causal FlashMask): the window then bounds nothing.
 template <int kHeadDim, bool kIsBf16, bool kBigTile, bool kPrefetch>
 void launch_bwd_main_by_mask(BwdParams& p, cudaStream_t stream) {
-  if (p.has_flashmask) {
+  if (p.alibi_slopes != nullptr) {  // the op rejects ALiBi with dropout
+    launch_bwd_main<kHeadDim, kIsBf16, kBigTile, kPrefetch, true, false, true>(p, stream);
+  } else if (p.has_flashmask) {
     launch_bwd_main<kHeadDim, kIsBf16, kBigTile, kPrefetch, true, false>(p, stream);
   } else if (p.dropout_p > 0.f) {
     if (p.has_window) {

@@ -13,15 +13,15 @@
 
 namespace flash_ext::sm80 {
 
-template <int kHeadDim, bool kIsBf16, bool kBigTile, bool kPrefetch, bool kHasWindow, bool kDropout>
+template <int kHeadDim, bool kIsBf16, bool kBigTile, bool kPrefetch, bool kHasWindow, bool kDropout, bool kAlibi>
 void launch_bwd_main(BwdParams& p, cudaStream_t stream) {
   using Traits = typename BwdTraitsFor<kHeadDim, kIsBf16, kBigTile>::type;
   static_assert(kBigTile || !kPrefetch, "bwd_kernel_v2 is compiled for the big tile only");
   auto kernel = [] {  // (a plain ?: would instantiate both kernels)
     if constexpr (kPrefetch) {
-      return &bwd_kernel_v2<Traits, kHasWindow, kDropout>;
+      return &bwd_kernel_v2<Traits, kHasWindow, kDropout, kAlibi>;
     } else {
-      return &bwd_kernel<Traits, kHasWindow, kDropout>;
+      return &bwd_kernel<Traits, kHasWindow, kDropout, kAlibi>;
     }
   }();
   // The kernel reads summary n_block for key block n_block, and only these variants have the

@@ -2,7 +2,7 @@
 //
 // A variant is a tile (the big one, or the small one of sm86/sm89: dispatch/bwd_dispatch.h), a way
 // to feed the query blocks (kPrefetch: bwd_kernel_v2, else bwd_kernel), a window mask or none,
-// dropout or none. run_bwd_sm80 (sm80/bwd_launch.cuh) picks one at run time and calls its
+// dropout or none, ALiBi or none. run_bwd_sm80 (sm80/bwd_launch.cuh) picks one at run time and calls its
 // launch_bwd_main; the definitions are in sm80/bwd_main_launch.cuh, explicitly instantiated in
 // the generated file of the head dim and dtype (csrc/instantiations/bwd_sm80_hdim*_*.cu, beside
 // run_bwd_sm80). This header declares them without the kernels' code.
@@ -31,7 +31,9 @@ struct BwdTraitsFor {
 };
 
 // Grid (key blocks, heads_q, batch) of bwd_kernel (kPrefetch false) or bwd_kernel_v2 (true).
-template <int kHeadDim, bool kIsBf16, bool kBigTile, bool kPrefetch, bool kHasWindow, bool kDropout>
+// kAlibi: the ALiBi variant (compiled windowed and dropout-free only).
+template <int kHeadDim, bool kIsBf16, bool kBigTile, bool kPrefetch, bool kHasWindow, bool kDropout,
+          bool kAlibi = false>
 void launch_bwd_main(BwdParams& p, cudaStream_t stream);
 
 }  // namespace flash_ext::sm80

@@ -32,7 +32,7 @@ namespace flash_ext::sm80 {
 
 using namespace cute;
 
-template <typename Traits, bool kHasWindow, bool kDropout>
+template <typename Traits, bool kHasWindow, bool kDropout, bool kAlibi = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -123,9 +123,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   const bool use_softcap = p.softcap > 0.f;
   const float scale_log2 = p.softmax_scale_log2;
-  // ALiBi runs in the windowed variants only (the host selects them for it).
-  const bool use_alibi = kHasWindow && p.alibi_slopes != nullptr;
-  const float slope = use_alibi ? alibi_slope(p, batch, head) : 0.f;
+  // ALiBi: a variant of its own (windowed, no dropout), so that the others keep their registers.
+  constexpr bool use_alibi = kAlibi;
+  const float slope = kAlibi ? alibi_slope(p, batch, head) : 0.f;
   const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
                         p.dropout_threshold);  // used only when kDropout
 
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     gemm_ss(mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, s2r_q, s2r_k, tid);
     if (use_softcap) apply_softcap(acc_s, p.softmax_scale / p.softcap, p.softcap);
     Tensor scores = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
-    if (use_alibi) {
+    if constexpr (use_alibi) {
       apply_alibi(scores, cS_rows, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k - seq.seqlen_q, slope);
     }
     if (mask.needs_mask(m_block, n_block)) mask.apply(scores, cS_rows, m_block, n_block);

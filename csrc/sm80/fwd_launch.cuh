@@ -15,9 +15,9 @@ namespace flash_ext {
 
 namespace sm80 {
 
-template <typename Traits, bool kHasWindow, bool kDropout>
+template <typename Traits, bool kHasWindow, bool kDropout, bool kAlibi = false>
 void launch_fwd(FwdParams& p, cudaStream_t stream) {
-  auto kernel = &fwd_kernel<Traits, kHasWindow, kDropout>;
+  auto kernel = &fwd_kernel<Traits, kHasWindow, kDropout, kAlibi>;
   constexpr int smem = Traits::kSmemBytes;
   if constexpr (smem > 48 * 1024) {
     set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
@@ -34,8 +34,14 @@ void launch_fwd(FwdParams& p, cudaStream_t stream) {
     raise_error("flash_ext: internal: a FlashMask forward needs the windowed dropout-free kernel and summaries "
                 "for its key blocks of " + std::to_string(Traits::kBlockN));
   }
-  // Dropout: separate kernels, so that the ones without it are unchanged (registers, speed).
-  if (p.dropout_p > 0.f) {
+  // ALiBi and dropout: separate kernels, so that the ones without them are unchanged (registers,
+  // speed). ALiBi runs in a windowed, dropout-free variant (the op rejects it with dropout).
+  if (p.alibi_slopes != nullptr) {
+    if (p.dropout_p > 0.f || !p.has_window) {
+      raise_error("flash_ext: internal: an ALiBi forward needs the windowed dropout-free kernel");
+    }
+    launch_fwd<Traits, true, false, true>(p, stream);
+  } else if (p.dropout_p > 0.f) {
     if (p.has_window) {
       launch_fwd<Traits, true, true>(p, stream);
     } else {
