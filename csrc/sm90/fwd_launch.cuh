@@ -23,7 +23,9 @@ namespace sm90 {
 template <int kHeadDim>
 constexpr int kLoopFor = kHeadDim <= 192 ? kLoopPvMid : kLoopOverlap;
 
-template <typename Traits, bool kHasWindow>
+// Mask: the kernel's mask policy (sm90/fwd_mask.h); kMasked: its tiles are uneven (the
+// scheduler's longest-first order, claimed dynamically; no stream-K).
+template <typename Traits, typename Mask, bool kMasked>
 void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t stream) {
   using Args = FwdArgs<Traits>;
   using Element = typename Traits::Element;
@@ -55,9 +57,8 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  auto kernel = &fwd_kernel<FwdMainloop<Traits, kLoopFor<Traits::kHeadDim>>,
-                            CausalLocalMask<Traits::kBlockM, Traits::kBlockN, kHasWindow>, FwdEpilogue<Traits>,
-                            TileScheduler<Traits::kBlockM, Traits::kBlockN, kHasWindow>>;
+  auto kernel = &fwd_kernel<FwdMainloop<Traits, kLoopFor<Traits::kHeadDim>>, Mask, FwdEpilogue<Traits>,
+                            TileScheduler<Traits::kBlockM, Traits::kBlockN, kMasked>>;
   constexpr int smem = Traits::kSmemBytes;
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // The grid the config chose: one CTA per SM (persistent; at most one per tile), all SMs for a
@@ -68,10 +69,15 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
 
 template <typename Traits>
 void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t stream) {
-  if (p.has_window) {
-    launch_fwd<Traits, true>(p, config, stream);
+  constexpr int kM = Traits::kBlockM, kN = Traits::kBlockN;
+  if (p.has_flashmask) {
+    // FlashMask on top of causal or of no mask (the policy reads p.has_window itself); its
+    // tiles are uneven either way.
+    launch_fwd<Traits, FlashMaskPolicy<kM, kN>, true>(p, config, stream);
+  } else if (p.has_window) {
+    launch_fwd<Traits, CausalLocalMask<kM, kN, true>, true>(p, config, stream);
   } else {
-    launch_fwd<Traits, false>(p, config, stream);
+    launch_fwd<Traits, CausalLocalMask<kM, kN, false>, false>(p, config, stream);
   }
 }
 
