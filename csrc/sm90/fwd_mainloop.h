@@ -297,8 +297,8 @@ struct FwdMainloop {
       if (pingpong) named_barrier_arrive(Traits::kBarrierTurn + (wg + 1) % kWGs, 256);
     }
 
-    // One work item: the online softmax (begun here) and O over key blocks [w.n_min, w.n_max),
-    // from the last one down. Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the
+    // One work item: the online softmax (begun here) and O over the key blocks of
+    // [w.n_min, w.n_max) that the mask visits (mask.next_block), from the last one down. Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the
     // softmax of block j runs while the tensor cores compute O += P_{j+1} V_{j+1}; the output is
     // rescaled once that GEMM is done.
     template <typename Mask, typename ORows>
