@@ -169,23 +169,30 @@ struct FwdMainloop {
       // P_{n+1} V_{n+1}), so K_n goes out before V_{n+1}, and K's next load waits only for the
       // S GEMM that frees its stage, not also for the P V GEMM behind it (loading K_n and V_n
       // together held K back by that GEMM: even at d <= 128, +0-5% at d = 256).
-      // The blocks come from the mask's next_block (n - 1 where every block is visited); V's
-      // block is the one visited before (n_prev, or n_block + 1 where that is the same).
       PipelineState write_v = write;
       ++write;
-      const Mask mask(p, seq, head, batch);
-      const int row0 = m_block * kBlockM - row_shift;
-      int n_prev = n_block;
-      for (n_block = mask.next_block(row0, n_block, n_min); n_block >= n_min;
-           n_block = mask.next_block(row0, n_block, n_min)) {
-        pipeline_k.producer_acquire(write);
-        copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
-        ++write;
-        pipeline_v.producer_acquire(write_v);
-        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)),
-             tVgV(_, Mask::kVisitsEveryBlock ? n_block + 1 : n_prev), tVsV(_, write_v.index()));
-        ++write_v;
-        if constexpr (!Mask::kVisitsEveryBlock) n_prev = n_block;
+      if constexpr (Mask::kVisitsEveryBlock) {
+        // Every block down to n_min (as next_block below, that form changed these kernels' code).
+        for (--n_block; n_block >= n_min; --n_block) {
+          pipeline_k.producer_acquire(write);
+          copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+          ++write;
+          pipeline_v.producer_acquire(write_v);
+          copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block + 1), tVsV(_, write_v.index()));
+          ++write_v;
+        }
+      } else {
+        // The mask's blocks (next_block, as the consumers walk them; n_min is visited); V's is the one before.
+        const Mask mask(p, seq, head, batch);
+        const int row0 = m_block * kBlockM - row_shift;
+        for (int n_prev = n_block; (n_block = mask.next_block(row0, n_block, n_min)) >= n_min; n_prev = n_block) {
+          pipeline_k.producer_acquire(write);
+          copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+          ++write;
+          pipeline_v.producer_acquire(write_v);
+          copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_prev), tVsV(_, write_v.index()));
+          ++write_v;
+        }
       }
       pipeline_v.producer_acquire(write_v);
       copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_min), tVsV(_, write_v.index()));
@@ -360,8 +367,7 @@ struct FwdMainloop {
           scores_to_probs(acc_s, n_block, cute::true_type{});
           convert_into(rP, acc_s);
         }
-        for (n_block = mask.next_block(row0, n_block, n_min); n_block >= n_min;
-             n_block = mask.next_block(row0, n_block, n_min)) {
+        for (n_block = mask.next_block(row0, n_block, n_min); n_block >= n_min; n_block = mask.next_block(row0, n_block, n_min)) {
           Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
           pipeline_k.consumer_wait(read_k);
           pipeline_v.consumer_wait(read_v);
