@@ -8,6 +8,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "dispatch/fwd_dispatch.h"
+#include "error.h"
 #include "tuning/heuristics.h"
 #include "sm90/fwd_kernel.cuh"
 #include "sm90/tensor_map_encode.h"
@@ -72,8 +73,13 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
   constexpr int kM = Traits::kBlockM, kN = Traits::kBlockN;
   if (p.has_flashmask) {
     // FlashMask on top of causal or of no mask (the policy reads p.has_window itself); its
-    // tiles are uneven either way.
-    launch_fwd<Traits, FlashMaskPolicy<kM, kN>, true>(p, config, stream);
+    // tiles are uneven either way. Only on the two-warpgroup base tiles, which the heuristics
+    // choose for it: at 160 registers (d = 64's 192-row tile) its consumers spilled 166 bytes.
+    if constexpr (Traits::kConsumerWGs == 2) {
+      launch_fwd<Traits, FlashMaskPolicy<kM, kN>, true>(p, config, stream);
+    } else {
+      raise_error("flash_ext: the Hopper forward runs FlashMask on its 128-row tiles only");
+    }
   } else if (p.has_window) {
     launch_fwd<Traits, CausalLocalMask<kM, kN, true>, true>(p, config, stream);
   } else {
