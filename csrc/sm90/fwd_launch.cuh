@@ -73,9 +73,11 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
   constexpr int kM = Traits::kBlockM, kN = Traits::kBlockN;
   if (p.has_flashmask) {
     // FlashMask on top of causal or of no mask (the policy reads p.has_window itself); its
-    // tiles are uneven either way. Only on the two-warpgroup base tiles, which the heuristics
-    // choose for it: at 160 registers (d = 64's 192-row tile) its consumers spilled 166 bytes.
-    if constexpr (Traits::kConsumerWGs == 2) {
+    // tiles are uneven either way. Only on the base tiles (128 rows), which the heuristics choose
+    // for it: at 160 registers (d = 64's 192-row tile) its consumers spilled 166 bytes, and
+    // d = 256's 80-key blocks are no summary size.
+    constexpr Sm90FwdTile kFmTile = sm90_fwd_tile(Traits::kHeadDim, false);
+    if constexpr (kM == kFmTile.block_m && kN == kFmTile.block_n) {
       launch_fwd<Traits, FlashMaskPolicy<kM, kN>, true>(p, config, stream);
     } else {
       raise_error("flash_ext: the Hopper forward runs FlashMask on its 128-row tiles only");
