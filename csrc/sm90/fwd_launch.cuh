@@ -74,13 +74,14 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
   if (p.has_flashmask) {
     // FlashMask on top of causal or of no mask (the policy reads p.has_window itself); its
     // tiles are uneven either way. Only on the base tiles (128 rows), which the heuristics choose
-    // for it: at 160 registers (d = 64's 192-row tile) its consumers spilled 166 bytes, and
-    // d = 256's 80-key blocks are no summary size.
+    // for it (at 160 registers, d = 64's 192-row tile, its consumers spilled 166 bytes; d = 256's
+    // 80-key blocks are no summary size), and up to d = 192: at d = 256 its consumers spilled
+    // 138 bytes, so there FlashMask must run the sm80 forward (dispatch/paths.cpp).
     constexpr Sm90FwdTile kFmTile = sm90_fwd_tile(Traits::kHeadDim, false);
-    if constexpr (kM == kFmTile.block_m && kN == kFmTile.block_n) {
+    if constexpr (kM == kFmTile.block_m && kN == kFmTile.block_n && Traits::kHeadDim <= 192) {
       launch_fwd<Traits, FlashMaskPolicy<kM, kN>, true>(p, config, stream);
     } else {
-      raise_error("flash_ext: the Hopper forward runs FlashMask on its 128-row tiles only");
+      raise_error("flash_ext: the Hopper forward runs FlashMask on its 128-row tiles up to head dim 192 only");
     }
   } else if (p.has_window) {
     launch_fwd<Traits, CausalLocalMask<kM, kN, true>, true>(p, config, stream);
