@@ -3,16 +3,16 @@
 //   Mainloop   loads and multiplies: produce() (the producer thread's TMA loads over its work
 //              items) and a Consumer whose mma() leaves a tile's online-softmax state and O
 //              accumulator (sm90/fwd_mainloop.h: bf16/fp16, two loop orders)
-//   Mask       built per tile: visible key blocks, which need the elementwise mask, the mask
-//              itself (sm90/fwd_mask.h: causal/local)
+//   Mask       built per tile: visible key blocks, the next one to visit, which need the
+//              elementwise mask, the mask itself (sm90/fwd_mask.h: causal/local, FlashMask)
 //   Epilogue   what becomes of a tile's state: O and lse stored (sm90/fwd_epilogue.h)
 //   Scheduler  which work item a CTA takes next: tiles, stream-K pieces (sm90/tile_scheduler.h)
 // CTA = one producer warpgroup (its first thread issues the loads) + kConsumerWGs consumer
 // warpgroups (64 query rows each); both roles walk the same work items in the same order.
 // A new part goes beside today's and is chosen where the launch names the kernel
 // (sm90/fwd_launch.cuh): e.g. a split-KV decode epilogue with the same Consumer interface
-// (store(), skip()) writing partial O and lse for common/combine.h; a FlashMask policy with
-// Mask's constructor and methods; an FP8 mainloop with produce() and Consumer::mma().
+// (store(), skip()) writing partial O and lse for common/combine.h; an FP8 mainloop with
+// produce() and Consumer::mma().
 // Some statements below keep an order or a form only because the generated code of the
 // single-function kernel this was cut from depends on it (SASS byte-identical; see the notes).
 #pragma once

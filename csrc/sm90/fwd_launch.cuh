@@ -8,6 +8,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "dispatch/fwd_dispatch.h"
+#include "error.h"
 #include "tuning/heuristics.h"
 #include "sm90/fwd_kernel.cuh"
 #include "sm90/tensor_map_encode.h"
@@ -23,7 +24,9 @@ namespace sm90 {
 template <int kHeadDim>
 constexpr int kLoopFor = kHeadDim <= 192 ? kLoopPvMid : kLoopOverlap;
 
-template <typename Traits, bool kHasWindow>
+// Mask: the kernel's mask policy (sm90/fwd_mask.h); kMasked: its tiles are uneven (the
+// scheduler's longest-first order, claimed dynamically; no stream-K).
+template <typename Traits, typename Mask, bool kMasked>
 void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t stream) {
   using Args = FwdArgs<Traits>;
   using Element = typename Traits::Element;
@@ -55,9 +58,8 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
-  auto kernel = &fwd_kernel<FwdMainloop<Traits, kLoopFor<Traits::kHeadDim>>,
-                            CausalLocalMask<Traits::kBlockM, Traits::kBlockN, kHasWindow>, FwdEpilogue<Traits>,
-                            TileScheduler<Traits::kBlockM, Traits::kBlockN, kHasWindow>>;
+  auto kernel = &fwd_kernel<FwdMainloop<Traits, kLoopFor<Traits::kHeadDim>>, Mask, FwdEpilogue<Traits>,
+                            TileScheduler<Traits::kBlockM, Traits::kBlockN, kMasked>>;
   constexpr int smem = Traits::kSmemBytes;
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // The grid the config chose: one CTA per SM (persistent; at most one per tile), all SMs for a
@@ -68,10 +70,23 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
 
 template <typename Traits>
 void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t stream) {
-  if (p.has_window) {
-    launch_fwd<Traits, true>(p, config, stream);
+  constexpr int kM = Traits::kBlockM, kN = Traits::kBlockN;
+  if (p.has_flashmask) {
+    // FlashMask on top of causal or of no mask (the policy reads p.has_window itself); its
+    // tiles are uneven either way. Only on the base tiles (128 rows), which the heuristics choose
+    // for it (at 160 registers, d = 64's 192-row tile, its consumers spilled 166 bytes; d = 256's
+    // 80-key blocks are no summary size), and up to d = 192: at d = 256 its consumers spilled
+    // 138 bytes, so there FlashMask must run the sm80 forward (dispatch/paths.cpp).
+    constexpr Sm90FwdTile kFmTile = sm90_fwd_tile(Traits::kHeadDim, false);
+    if constexpr (kM == kFmTile.block_m && kN == kFmTile.block_n && Traits::kHeadDim <= 192) {
+      launch_fwd<Traits, FlashMaskPolicy<kM, kN>, true>(p, config, stream);
+    } else {
+      raise_error("flash_ext: the Hopper forward runs FlashMask on its 128-row tiles up to head dim 192 only");
+    }
+  } else if (p.has_window) {
+    launch_fwd<Traits, CausalLocalMask<kM, kN, true>, true>(p, config, stream);
   } else {
-    launch_fwd<Traits, false>(p, config, stream);
+    launch_fwd<Traits, CausalLocalMask<kM, kN, false>, false>(p, config, stream);
   }
 }
 

@@ -171,13 +171,28 @@ struct FwdMainloop {
       // together held K back by that GEMM: even at d <= 128, +0-5% at d = 256).
       PipelineState write_v = write;
       ++write;
-      for (--n_block; n_block >= n_min; --n_block) {
-        pipeline_k.producer_acquire(write);
-        copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
-        ++write;
-        pipeline_v.producer_acquire(write_v);
-        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block + 1), tVsV(_, write_v.index()));
-        ++write_v;
+      if constexpr (Mask::kVisitsEveryBlock) {
+        // Every block down to n_min (as next_block below, that form changed these kernels' code).
+        for (--n_block; n_block >= n_min; --n_block) {
+          pipeline_k.producer_acquire(write);
+          copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+          ++write;
+          pipeline_v.producer_acquire(write_v);
+          copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block + 1), tVsV(_, write_v.index()));
+          ++write_v;
+        }
+      } else {
+        // The mask's blocks (next_block, as the consumers walk them; n_min is visited); V's is the one before.
+        const Mask mask(p, seq, head, batch);
+        const int row0 = m_block * kBlockM - row_shift;
+        for (int n_prev = n_block; (n_block = mask.next_block(row0, n_block, n_min)) >= n_min; n_prev = n_block) {
+          pipeline_k.producer_acquire(write);
+          copy(args.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block), tKsK(_, write.index()));
+          ++write;
+          pipeline_v.producer_acquire(write_v);
+          copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_prev), tVsV(_, write_v.index()));
+          ++write_v;
+        }
       }
       pipeline_v.producer_acquire(write_v);
       copy(args.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_min), tVsV(_, write_v.index()));
@@ -289,8 +304,8 @@ struct FwdMainloop {
       if (pingpong) named_barrier_arrive(Traits::kBarrierTurn + (wg + 1) % kWGs, 256);
     }
 
-    // One work item: the online softmax (begun here) and O over key blocks [w.n_min, w.n_max),
-    // from the last one down. Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the
+    // One work item: the online softmax (begun here) and O over the key blocks of
+    // [w.n_min, w.n_max) that the mask visits (mask.next_block), from the last one down. Intra-warpgroup overlap (FlashAttention-3, algorithm 2): the
     // softmax of block j runs while the tensor cores compute O += P_{j+1} V_{j+1}; the output is
     // rescaled once that GEMM is done.
     template <typename Mask, typename ORows>
@@ -352,7 +367,7 @@ struct FwdMainloop {
           scores_to_probs(acc_s, n_block, cute::true_type{});
           convert_into(rP, acc_s);
         }
-        for (--n_block; n_block >= n_min; --n_block) {
+        for (n_block = mask.next_block(row0, n_block, n_min); n_block >= n_min; n_block = mask.next_block(row0, n_block, n_min)) {
           Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
           pipeline_k.consumer_wait(read_k);
           pipeline_v.consumer_wait(read_v);

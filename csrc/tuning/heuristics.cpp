@@ -9,6 +9,11 @@ namespace {
 
 constexpr int kElementBytes = 2;  // bf16 and fp16
 
+// Tiles of uneven length: a causal/local window, or FlashMask (whose blocks are skipped by the
+// data). Such calls are scheduled as causal ones: longest first, claimed from a counter, no
+// stream-K (its pieces assume every tile's key blocks are known on the host).
+bool masked(const FwdParams& p) { return p.has_window || p.has_flashmask; }
+
 // d = 64 and d = 256 have two tiles each. The larger ones (d = 64: 192 x 128, three consumer
 // warpgroups; d = 256: 128 x 80) are 3-14% faster from s = 2k on, but a 192-row tile pads a 1k
 // causal row block by 2/3 of its longest tile: auto takes them for seqlen_q >= 2k, and at 1k
@@ -16,8 +21,12 @@ constexpr int kElementBytes = 2;  // bf16 and fp16
 // in three A/B runs, where 80-key blocks compute 2080 columns for 2048).
 bool choose_alt_tile(const FwdParams& p, int kd, const TuningOverrides& o) {
   if (!sm90_fwd_has_alt_tile(kd)) return false;
-  const bool alt_auto = kd == 256 && !p.has_window ? p.seqlen_q > 2048
-                                                   : (p.seqlen_q >= 2048 || (!p.has_window && p.seqlen_q >= 1024));
+  // Not for FlashMask: the kernel has it on the 128-row base tiles only (sm90/fwd_launch.cuh: the
+  // 192-row tile's 160-register consumers spilled), and its summaries are made for the tile's
+  // block_n in 32, 64 or 128 columns (api/flashmask.cpp), not d = 256's 80.
+  if (p.has_flashmask) return false;
+  const bool alt_auto = kd == 256 && !masked(p) ? p.seqlen_q > 2048
+                                                 : (p.seqlen_q >= 2048 || (!masked(p) && p.seqlen_q >= 1024));
   return o.sm90_fwd_tile > 0 || (o.sm90_fwd_tile < 0 && alt_auto);
 }
 
@@ -48,7 +57,7 @@ void choose_sections(const FwdParams& p, const Sm90FwdTile& tile, const DeviceIn
                                    : 2 * heads_batches >= dev.sms;  // no bandwidth reported: the H200's old threshold
   const int units = heads_batches / group;  // (K/V head, batch) pairs
   int sections = 1;
-  if (p.has_window && bandwidth_bound) {
+  if (masked(p) && bandwidth_bound) {
     const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.seqlen_k) * p.head_dim * 2 * int64_t(kElementBytes));
     const int64_t fit = int64_t(dev.l2_bytes / 2) / kv_head_bytes;  // K/V heads in half the L2
     const int max_units = int(std::max<int64_t>(1, std::min<int64_t>(units, fit)));
@@ -76,7 +85,7 @@ void choose_stream_k(const FwdParams& p, int kd, const DeviceInfo& dev, const Tu
   const int key_blocks = (p.seqlen_k + c.tile.block_n - 1) / c.tile.block_n;
   const int64_t tail = c.persistent ? c.tiles % sms : 0;
   const int64_t tail_blocks = tail * key_blocks;
-  bool stream_k = !p.has_window && c.persistent && !varlen && o.sm90_stream_k != 0 && tail > 0 &&
+  bool stream_k = !masked(p) && c.persistent && !varlen && o.sm90_stream_k != 0 && tail > 0 &&
                   tail_blocks >= sms && tail_blocks * sms < (int64_t(1) << 31);
   if (o.sm90_stream_k < 0 && stream_k) {
     const double idle_blocks = double(key_blocks) * double(sms - tail) / sms;
@@ -111,14 +120,14 @@ Sm90FwdConfig choose_sm90_fwd_config(const FwdParams& p, int kd, const DeviceInf
   // causal +2-21% (most at short rows), local windows +10-12% (H200); and the stream-K tail
   // needs it.
   c.persistent = true;
-  c.tile_counter = p.has_window;
+  c.tile_counter = masked(p);
 
   // Ping-pong by default except at d = 256 without a mask (FlashAttention-4 has it off at d = 256
   // too): its GEMMs are long and its softmax (80 columns) short, and on an H100 turning it off
   // gained 0-9% there (s = 1k-16k; causal within +-4%: kept on). The turn passes right after the
   // issue (a late hand-over, once S is done, won and lost by 0.3-3% in four H100 runs) and the
   // turns carry on across tiles (re-synchronising at every tile lost 0-13%).
-  c.pingpong = o.sm90_pingpong >= 0 ? o.sm90_pingpong : (kd == 256 && !p.has_window ? 0 : 1);
+  c.pingpong = o.sm90_pingpong >= 0 ? o.sm90_pingpong : (kd == 256 && !masked(p) ? 0 : 1);
 
   // O through shared memory and a TMA store (staged in its own buffer, or at d = 256 in Q's:
   // kernel_traits.h): +5-11% without a mask and +9-19% causal at s = 1k (d <= 192), +6-11% at
@@ -142,8 +151,9 @@ Sm90FwdConfig choose_sm90_fwd_config(const FwdParams& p, int kd, const DeviceInf
   // to the end; d = 64 causal +1-4.5% at 2k-16k). A multiple of 64 rows, so Q and O boxes of 64
   // rows stay whole: boxes wholly before row 0 are filled with zeros by the TMA load and not
   // stored (a TMA store with a negative start row faults: illegal instruction). Fixed-length
-  // batches only (a varlen box before row 0 would read the previous sequence).
-  const bool align_end = p.has_window && !varlen && p.window_left < 0 && p.window_right >= 0;
+  // batches only (a varlen box before row 0 would read the previous sequence). Not under FlashMask,
+  // whose bounds and block summaries are in rows from 0 (sm90/fwd_mask.h FlashMaskPolicy).
+  const bool align_end = p.has_window && !p.has_flashmask && !varlen && p.window_left < 0 && p.window_right >= 0;
   c.row_shift = align_end ? (m_blocks * block_m - p.seqlen_q) / 64 * 64 : 0;
 
   choose_stream_k(p, kd, dev, o, c);
