@@ -48,13 +48,14 @@ KernelPath resolve(PathChoice forced, bool sm90_ok) {
 
 // The error of a forced Hopper path that cannot run a FlashMask call.
 void reject_forced_sm90_flashmask(const char* knob) {
-  raise_error(std::string("flash_ext: ") + knob + "=sm90 cannot run FlashMask (startend_row_indices): the Hopper "
-              "kernels have no FlashMask mode yet; unset " + knob + " (FlashMask runs the sm80 kernels)");
+  raise_error(std::string("flash_ext: ") + knob + "=sm90 cannot run this FlashMask call (startend_row_indices): "
+              "the Hopper kernels have FlashMask in the forward up to head dim 192 only; unset " + knob +
+              " (such calls run the sm80 kernels)");
 }
 
 }  // namespace
 
-bool flashmask_on_sm90_fwd() { return false; }  // FlashMask forward on sm90: not yet
+bool flashmask_on_sm90_fwd(int sm90_kernel_head_dim) { return sm90_kernel_head_dim != 0 && sm90_kernel_head_dim <= 192; }
 bool flashmask_on_sm90_bwd() { return false; }  // FlashMask backward on sm90: not yet
 
 bool tma_compatible(const FwdParams& p) {
@@ -74,14 +75,14 @@ KernelChoice choose_fwd_kernel(const FwdParams& p, const DeviceInfo& dev, const 
   const int sm90_kd = kernel_head_dim<Family::kFwdSm90>(p.head_dim);
   const bool sm90_ok = dev.major == 9 && sm90_kd != 0 && dtype_built(p.is_bf16) && tma_compatible(p) &&
                        !(p.dropout_p > 0.f) && p.alibi_slopes == nullptr &&
-                       (!p.has_flashmask || flashmask_on_sm90_fwd());
+                       (!p.has_flashmask || flashmask_on_sm90_fwd(sm90_kd));
   if (o.fwd_path == PathChoice::kSm90 && p.seqused_k != nullptr) {
     raise_error("flash_ext: FLASH_EXT_FWD_PATH=sm90 cannot run seqused_k (or block_table): the Hopper forward's "
                 "tensor maps would read the unused keys; unset FLASH_EXT_FWD_PATH (these calls run the sm80 kernel)");
   }
   const KernelPath path = resolve(o.fwd_path, sm90_ok);
   if (path == KernelPath::kSm90) {
-    if (p.has_flashmask && !flashmask_on_sm90_fwd()) reject_forced_sm90_flashmask("FLASH_EXT_FWD_PATH");
+    if (p.has_flashmask && !flashmask_on_sm90_fwd(sm90_kd)) reject_forced_sm90_flashmask("FLASH_EXT_FWD_PATH");
     if (!sm90_ok) {
       raise_error("flash_ext: FLASH_EXT_FWD_PATH=sm90 needs an sm90 GPU and a build with 90a in FLASH_EXT_ARCHS "
                   "covering head dim " + std::to_string(p.head_dim) + " and dropout_p = 0 (ALiBi runs on the sm80 kernels)" + kBuildInfo);

@@ -23,11 +23,11 @@ struct KernelChoice {
 // sequence's used keys (seqused_k: those calls run the sm80 kernel too).
 bool tma_compatible(const FwdParams& p);
 
-// FlashMask (p.has_flashmask) on the Hopper kernels: false while they have no FlashMask mode, so
-// that every FlashMask call runs the sm80 kernels (forward and backward) on every GPU, and
-// FLASH_EXT_FWD_PATH / BWD_PATH=sm90 with bounds is an error. The one place to flip when the
-// Hopper forward's mask policy (docs/design-flashmask.md 4) lands.
-bool flashmask_on_sm90_fwd();
+// FlashMask (p.has_flashmask) on the Hopper kernels: the forward has a FlashMask mask policy
+// (sm90/fwd_mask.h) for its kernels of head dim <= 192 (at 256 its consumers would spill); the
+// backward has none yet. Where these say false, FlashMask calls run the sm80 kernels, and
+// FLASH_EXT_FWD_PATH / BWD_PATH=sm90 with bounds is an error.
+bool flashmask_on_sm90_fwd(int sm90_kernel_head_dim);
 bool flashmask_on_sm90_bwd();
 
 // Forward: the Hopper kernel on sm90 devices where this build has it for the head dim and dtype,
