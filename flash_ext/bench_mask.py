@@ -286,6 +286,10 @@ def _flex_parts(sri, causal, batch, seqlen):
         "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
         "q_indices", "full_q_num_blocks", "full_q_indices"))
     nbytes = sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
+    # The timed backward reuses one graph (retain_graph=True), which compiled backwards with
+    # donated buffers refuse; donation saves memory only, not time.
+    import torch._functorch.config as functorch_config
+    functorch_config.donated_buffer = False
     return torch.compile(flex_attention), block_mask, nbytes
 
 

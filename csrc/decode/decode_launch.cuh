@@ -26,10 +26,8 @@ void run_decode(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(m_blocks * p.num_splits, p.heads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
   if (p.num_splits > 1) {
-    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // one warp per row
-    decode::split_combine_kernel<kHeadDim, Element>
-        <<<unsigned((rows + decode::kCombineWarps - 1) / decode::kCombineWarps), 32 * decode::kCombineWarps, 0,
-           stream>>>(p);
+    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // one CTA per row
+    decode::split_combine_kernel<kHeadDim, Element><<<unsigned(rows), 32 * decode::kCombineWarps, 0, stream>>>(p);
   }
 }
 
