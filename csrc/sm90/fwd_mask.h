@@ -70,9 +70,17 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     return cls;
   }
 
-  // The usual range, then its ends moved past skipped blocks (an empty range if all are).
+  // The usual range, then its ends moved past skipped blocks (an empty range if all are). The
+  // range's summaries are prefetched into L1 (each warp's lanes a block each), so that the
+  // walk's next_block and the masks read them there instead of paying an L2 round trip per block
+  // in the producer's and the consumers' loop headers.
   __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
     Base::key_block_range_rows(row0, n_min, n_max);
+    if (fm_block_n == kBlockN) {
+      for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
+      }
+    }
     while (n_max > n_min && block_class(row0, n_max - 1) == kFmSkip) --n_max;
     while (n_min < n_max && block_class(row0, n_min) == kFmSkip) ++n_min;
   }
