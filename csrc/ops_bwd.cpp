@@ -60,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   const TuningOverrides overrides = tuning_overrides();
   p.variant = overrides.bwd_variant;
   p.has_flashmask = startend_row_indices.has_value();  // routing reads it; p.fm is filled below
-  if (alibi_slopes.has_value()) set_alibi_params(p, *alibi_slopes, q, s, softcap, dropout_p);
+  if (alibi_slopes.has_value()) set_alibi_params(p, *alibi_slopes, q, s, dropout_p);
   const KernelChoice kernel = choose_bwd_kernel(p, dev, overrides);
   const bool sm90 = kernel.path == KernelPath::kSm90;
 

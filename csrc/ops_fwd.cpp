@@ -100,7 +100,7 @@ at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   fill_common_params(p, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left,
                      window_right, softcap, dropout_p, rng_state);
   p.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
-  if (alibi_slopes.has_value()) set_alibi_params(p, *alibi_slopes, q, s, softcap, dropout_p);
+  if (alibi_slopes.has_value()) set_alibi_params(p, *alibi_slopes, q, s, dropout_p);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor lse = s.varlen ? at::empty({s.heads_q, s.total_q}, f32) : at::empty({s.batch, s.heads_q, s.seqlen_q}, f32);
   p.lse = lse.data_ptr<float>();

@@ -220,7 +220,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         alibi_slopes: float32 (nheads_q,) or (batch, nheads_q) on q's device (FlashAttention-2's
             ALiBi): the score of query i and key j gets - slope * |i + sk - sq - j| (per
             sequence for varlen). Differentiable; runs the FlashAttention-2 (sm80) kernels on
-            every GPU; not together with softcap > 0.
+            every GPU; not yet together with dropout_p > 0.
 
     Returns:
         out: q's shape and dtype.

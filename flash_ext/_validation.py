@@ -530,10 +530,9 @@ def check_lse(lse: torch.Tensor, q: torch.Tensor, varlen: bool) -> None:
 
 
 def check_alibi_slopes(name: str, alibi_slopes, q, batch: int, heads_q: int,
-                       softcap: float = 0.0) -> None:
+                       dropout_p: float = 0.0) -> None:
     """alibi_slopes of the prefill functions: float32 (nheads_q,) or (batch, nheads_q) on q's
-    device, last dim contiguous; not together with softcap > 0 (the backward recovers the
-    softcap derivative from P, which would carry the bias)."""
+    device, last dim contiguous; not together with dropout_p > 0 (no kernel has both yet)."""
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor):
@@ -551,9 +550,9 @@ def check_alibi_slopes(name: str, alibi_slopes, q, batch: int, heads_q: int,
             f"({batch}, {heads_q}); got {_shape(alibi_slopes)}")
     if alibi_slopes.stride(-1) != 1:
         raise FlashExtValueError(f"{name}: alibi_slopes must be contiguous in its last dim")
-    if softcap is not None and float(softcap) > 0:
+    if dropout_p is not None and float(dropout_p) > 0:
         raise FlashExtNotImplementedError(
-            f"{name}: alibi_slopes together with softcap > 0 is not supported")
+            f"{name}: alibi_slopes together with dropout_p > 0 is not supported")
 
 
 def check_attn_probs_alibi(alibi_slopes) -> None:
@@ -580,7 +579,7 @@ def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] 
     check_out_without_grad(out, q, k, v)
     if alibi_slopes is not None:
         batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
-        check_alibi_slopes("flash_ext", alibi_slopes, q, batch, q.shape[-2], softcap)
+        check_alibi_slopes("flash_ext", alibi_slopes, q, batch, q.shape[-2], dropout_p)
     if seqused_k is not None:
         check_seqused_k(seqused_k, varlen, cu_seqlens_k)
         check_forward_only(q, k, v)
@@ -616,7 +615,7 @@ def check_bwd_inputs(dout, q, k, v, out, lse, *, softmax_scale=None,
     check_like(dv, v, "dv", "v")
     if alibi_slopes is not None:
         batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
-        check_alibi_slopes("flash_ext", alibi_slopes, q, batch, q.shape[-2], softcap)
+        check_alibi_slopes("flash_ext", alibi_slopes, q, batch, q.shape[-2], dropout_p)
     return varlen
 
 

@@ -40,7 +40,7 @@ O(batch * max_seqlen_k) extra memory, no host sync), then runs the varlen forwar
 
 ALiBi: ``alibi_slopes`` float32 (nheads,) or (batch, nheads), FlashAttention-2's meaning: the
 score of query i and key j gets - slope * |i + seqlen_k - seqlen_q - j| (forward and backward;
-these calls run the FlashAttention-2 (sm80) kernels on every GPU; not together with softcap).
+these calls run the FlashAttention-2 (sm80) kernels on every GPU; not yet together with dropout).
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def _varlen_paged(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqle
         fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         block_table, seqused_k, kw["softmax_scale"], kw["window_size"], kw["softcap"], dropout_p)
     _validation.check_alibi_slopes(fn, kw["alibi_slopes"], q, cu_seqlens_q.shape[0] - 1, q.shape[-2],
-                                   kw["softcap"])
+                                   dropout_p)
     mk = int(max_seqlen_k)
     batch = cu_seqlens_q.shape[0] - 1
     k, v = paged_kv.gather_paged_kv(k_cache, v_cache, block_table, mk)

@@ -41,9 +41,13 @@ def test_bad_slopes(slopes, cls, words):
     assert words in str(e.value)
 
 
-def test_slopes_with_softcap_not_supported():
-    with pytest.raises(NotImplementedError, match="softcap"):
-        _check(torch.rand(4), softcap=30.0)
+def test_slopes_with_softcap_pass():
+    _check(torch.rand(4), softcap=30.0)
+
+
+def test_slopes_with_dropout_not_supported():
+    with pytest.raises(NotImplementedError, match="dropout"):
+        _check(torch.rand(4), dropout_p=0.1, rng_state=torch.tensor([1, 2], dtype=torch.int64))
 
 
 def test_varlen_batch_from_cu_seqlens():

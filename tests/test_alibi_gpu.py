@@ -52,17 +52,19 @@ def _ref_grads(q, k, v, dout, upcast, **kw):
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (64, 32))])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (113, 203), (200, 96)])
 @pytest.mark.parametrize("batch_slopes", [False, True])
-def test_alibi_fwd_bwd(dtype, d, causal, window, sq, sk, batch_slopes):
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_alibi_fwd_bwd(dtype, d, causal, window, sq, sk, batch_slopes, softcap):
     torch.manual_seed(0)
     b, hq, hkv = 2, 4, 2
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
     slopes = _slopes((b, hq) if batch_slopes else (hq,), "cuda")
-    out = flash_ext.flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes)
+    out = flash_ext.flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes,
+                                    softcap=softcap)
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    kw = dict(causal=causal, window_size=window, alibi_slopes=slopes)
+    kw = dict(causal=causal, window_size=window, alibi_slopes=slopes, softcap=softcap)
     ref, ref_g = _ref_grads(q, k, v, dout, True, **kw)
     pt, pt_g = _ref_grads(q, k, v, dout, False, **kw)
     _check("out", out, ref, pt)

@@ -43,7 +43,7 @@ void check_seqused_k(const at::Tensor& seqused_k, const at::Tensor& q, const Att
 }
 
 void set_alibi_params(FwdParams& p, const at::Tensor& slopes, const at::Tensor& q, const AttnShape& s,
-                      double softcap, double dropout_p) {
+                      double dropout_p) {
   FLASH_EXT_CHECK(slopes.scalar_type() == at::kFloat, "flash_ext: alibi_slopes must be float32; got ",
                   slopes.scalar_type());
   FLASH_EXT_CHECK((slopes.dim() == 1 && slopes.size(0) == s.heads_q) ||
@@ -52,7 +52,6 @@ void set_alibi_params(FwdParams& p, const at::Tensor& slopes, const at::Tensor& 
                   s.batch, ", ", s.heads_q, "); got ", slopes.sizes());
   FLASH_EXT_CHECK(slopes.device() == q.device(), "flash_ext: alibi_slopes must be on q's device");
   FLASH_EXT_CHECK(slopes.stride(-1) == 1, "flash_ext: alibi_slopes must be contiguous in its last dim");
-  FLASH_EXT_CHECK(!(softcap > 0), "flash_ext: alibi_slopes together with softcap > 0 is not supported");
   FLASH_EXT_CHECK(!(dropout_p > 0), "flash_ext: alibi_slopes together with dropout_p > 0 is not supported");
   p.alibi_slopes = slopes.data_ptr<float>();
   p.alibi_batch_stride = slopes.dim() == 2 ? slopes.stride(0) : 0;

@@ -42,10 +42,10 @@ AttnShape check_attention_inputs(const AttnTensors& t, const std::optional<at::T
 void check_seqused_k(const at::Tensor& seqused_k, const at::Tensor& q, const AttnShape& s);
 
 // ALiBi slopes: float32 (heads_q,) or (batch, heads_q), last dim contiguous, on q's device; not
-// with softcap > 0 or dropout (no kernel variant has them together). Then sets p's ALiBi fields
-// and has_window (the ALiBi kernels are windowed variants; an unbounded window bounds nothing).
+// with dropout (no kernel variant has both). Then sets p's ALiBi fields and has_window (the ALiBi
+// kernels are windowed variants; an unbounded window bounds nothing).
 void set_alibi_params(FwdParams& p, const at::Tensor& slopes, const at::Tensor& q, const AttnShape& s,
-                      double softcap, double dropout_p);
+                      double dropout_p);
 
 // The kernels' vector loads and stores need a contiguous last dimension, every other stride a
 // multiple of 8 elements (16-byte aligned rows) and a 16-byte aligned base.

@@ -1,8 +1,9 @@
 // ALiBi (attention with linear biases), FlashAttention-2's meaning: the score of query row i and
 // key j gets  - slope_h * |i + seqlen_k - seqlen_q - j|  (the distance to row i's bottom-right
-// aligned diagonal), added to the scaled score before the softmax; slopes are fp32, (heads_q,)
-// or (batch, heads_q). The kernels' scores are unscaled (softmax_scale is folded into the
-// exponent), so the slope is divided by softmax_scale once per CTA (alibi_slope).
+// aligned diagonal), added to the scaled (and softcapped) score before the softmax; slopes are
+// fp32, (heads_q,) or (batch, heads_q). Without softcap the kernels' scores are unscaled
+// (softmax_scale is folded into the exponent), so the slope is divided by softmax_scale once per
+// CTA (alibi_slope).
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -10,10 +11,13 @@
 
 namespace flash_ext {
 
-// The slope of (batch, head) in the units of the kernel's unscaled scores; 0 without ALiBi.
+// The slope of (batch, head) in the units of the kernel's scores: unscaled without softcap
+// (softmax_scale is folded into the exponent), scaled with it (softcap * tanh(...) is); 0
+// without ALiBi.
 __device__ __forceinline__ float alibi_slope(const FwdParams& p, int batch, int head) {
   if (p.alibi_slopes == nullptr) return 0.f;
-  return p.alibi_slopes[batch * p.alibi_batch_stride + head] / p.softmax_scale;
+  const float slope = p.alibi_slopes[batch * p.alibi_batch_stride + head];
+  return p.softcap > 0.f ? slope : slope / p.softmax_scale;
 }
 
 // scores: a (rows, cols) view of a query-major score fragment, coords the same view of an

@@ -220,8 +220,8 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
   // Softcap: S' = cap * tanh(S * scale / cap) and dS_raw = dS' * (1 - (S'/cap)^2) * scale. S' is
   // recovered from P = exp(S' - lse) as ln(P) + lse = (log2(P) + lse * log2(e)) * ln(2).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
-  // ALiBi (the host rejects it with softcap, whose derivative above is recovered from P and
-  // would carry the bias).
+  // ALiBi; with softcap, the derivative above is recovered from P, which carries the bias: the
+  // dS loop takes it out again.
   constexpr bool use_alibi = kAlibi;  // a variant of its own, so that the others keep their registers
   const float slope = kAlibi ? alibi_slope(p, batch, head) : 0.f;
   const Dropout dropout(p.dropout_seed, p.dropout_offset, batch * p.heads_q + head,
@@ -361,7 +361,12 @@ __device__ __forceinline__ void bwd_key_block(const BwdParams& p, char* smem_raw
           }
           float ds = pr * (dpr - dsum);
           if (use_softcap) {
-            const float t = (__log2f(pr) + lse_log2[r]) * softcap_t_factor;  // S'/cap = tanh(.)
+            float t = (__log2f(pr) + lse_log2[r]) * softcap_t_factor;  // S'/cap = tanh(.)
+            if constexpr (kAlibi) {  // ln P + lse carries the bias - slope |i + shift - j|: take it out
+              const int diag = m_block * kBlockM + get<0>(cS_rows(r, 0)) + seq.seqlen_k - seq.seqlen_q -
+                               n_block * kBlockN;
+              t += slope * float(abs(diag - get<1>(cS_rows(r, c)))) / p.softcap;
+            }
             ds = pr > 0.f ? ds * (1.f - t * t) : 0.f;
           }
           dp(r, c) = ds * softmax_scale;
