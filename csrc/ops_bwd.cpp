@@ -97,14 +97,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   p.dsum = work_ptr + dsum_at;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
 
-  // FlashMask: the key-block summaries for the block size of the kernel that runs (the sm80
-  // backward's tile, as its launcher picks it: sm80/bwd_launch.cuh).
+  // FlashMask: the key-block summaries for the block size of the kernel that runs (the Hopper
+  // backward's kBlockN, sm90/bwd_launch.cuh; or the sm80 backward's tile, as its launcher picks it:
+  // sm80/bwd_launch.cuh).
   FlashMaskSummary fm;  // alive until the launch is queued
   if (startend_row_indices.has_value() && q.numel() > 0 && k.numel() > 0 && s.batch > 0) {
-    // Routing keeps FlashMask off the Hopper backward (dispatch/paths.h, flashmask_on_sm90_bwd);
-    // its key-block size goes here when it gets a FlashMask mode.
-    FLASH_EXT_CHECK(!sm90, "flash_ext: internal: FlashMask was routed to the Hopper backward, which has no mask");
-    const int block_n = choose_bwd_sm80_tile(kd, dev, overrides).block_n;
+    const int block_n = sm90 ? sm90_bwd_block_n(kernel.kernel_head_dim) : choose_bwd_sm80_tile(kd, dev, overrides).block_n;
     fm = set_flashmask_params(p, *startend_row_indices, s, cu_seqlens_k, causal, block_n, stream);
   }
 

@@ -21,5 +21,8 @@ void run_bwd_sm80(BwdParams& params, cudaStream_t stream);
 template <int kHeadDim, bool kIsBf16>
 void run_bwd_sm90(BwdParams& params, cudaStream_t stream);
 constexpr int kBwdSm90PadRows = 128;
+// Key-block size of the Hopper backward's tile for a kernel head dim (sm90/bwd_launch.cuh checks
+// its traits against it): FlashMask's key-block summaries are made for this block size.
+constexpr int sm90_bwd_block_n(int kernel_head_dim) { return kernel_head_dim <= 128 ? 128 : 64; }
 
 }  // namespace flash_ext

@@ -56,7 +56,7 @@ void reject_forced_sm90_flashmask(const char* knob) {
 }  // namespace
 
 bool flashmask_on_sm90_fwd(int sm90_kernel_head_dim) { return sm90_kernel_head_dim != 0 && sm90_kernel_head_dim <= 192; }
-bool flashmask_on_sm90_bwd() { return false; }  // FlashMask backward on sm90: not yet
+bool flashmask_on_sm90_bwd(int sm90_kernel_head_dim) { return sm90_kernel_head_dim != 0; }
 
 bool tma_compatible(const FwdParams& p) {
   const bool varlen = p.cu_seqlens_q != nullptr;
@@ -116,10 +116,10 @@ KernelChoice choose_bwd_kernel(const BwdParams& p, const DeviceInfo& dev, const 
                             (p.batch == 1 || p.do_batch_stride > 0);
   const bool sm90_ok = dev.major == 9 && sm90_kd != 0 && dtype_built(p.is_bf16) && p.cu_seqlens_q == nullptr &&
                        !p.deterministic && !(p.dropout_p > 0.f) && tma_compatible(p) && dout_strides &&
-                       p.alibi_slopes == nullptr && (!p.has_flashmask || flashmask_on_sm90_bwd());
+                       p.alibi_slopes == nullptr && (!p.has_flashmask || flashmask_on_sm90_bwd(sm90_kd));
   const KernelPath path = resolve(o.bwd_path, sm90_ok);
   if (path == KernelPath::kSm90) {
-    if (p.has_flashmask && !flashmask_on_sm90_bwd()) reject_forced_sm90_flashmask("FLASH_EXT_BWD_PATH");
+    if (p.has_flashmask && !flashmask_on_sm90_bwd(sm90_kd)) reject_forced_sm90_flashmask("FLASH_EXT_BWD_PATH");
     if (!sm90_ok) {
       raise_error("flash_ext: FLASH_EXT_BWD_PATH=sm90 needs an sm90 GPU, a build with 90a in FLASH_EXT_ARCHS "
                   "covering head dim " + std::to_string(p.head_dim) +

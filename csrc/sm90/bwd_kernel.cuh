@@ -33,6 +33,7 @@
 #include "common/mask.h"
 #include "common/seqlen.h"
 #include "common/softmax.h"
+#include "sm90/bwd_flashmask.h"
 #include "sm90/bwd_kernel_traits.h"
 #include "sm90/warpgroup.h"
 
@@ -162,6 +163,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   int m_min, m_max;
   mask.query_block_range(n_block, m_min, m_max);
+  // FlashMask (p.has_flashmask): producer and consumers both step with next_visible (no loads, no GEMMs).
+  const FlashMaskKeyBlock<kBlockM, kBlockN, kHasWindow> fm(p, head, batch, n_block, seqlen_q);
+  m_min = fm.next_visible(m_min, m_max);  // none visible: the empty range, dK = dV = 0
 
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
@@ -213,7 +217,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
     copy(args.tma_v.with(ss.barrier_kv), tVgV, tVsV);
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-    for (int m_block = m_min; m_block < m_max; ++m_block) {
+    for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max)) {
       pipeline_q.producer_acquire(write);
       auto* bar = pipeline_q.producer_get_barrier(write);
       const int stage = write.index();
@@ -268,9 +272,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   if (m_min < m_max) {
     Barrier::wait(&ss.barrier_kv, 0);
     PipelineState read;
-    for (int m_block = m_min; m_block < m_max; ++m_block) {
+    for (int m_block = m_min, visit = 0; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max), ++visit) {
       const int stage = read.index();
-      const int buf = (m_block - m_min) & 1;
+      const int buf = visit & 1;  // not m_block - m_min: FlashMask skips blocks
       pipeline_q.consumer_wait(read);
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -286,6 +290,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         mask_transposed<kHasWindow>(st, cS_rows, n_block * kBlockN, m_block * kBlockM, seqlen_q, seqlen_k,
                                     p.window_left, p.window_right);
       }
+      if (fm.partial(m_block)) flashmask_apply_transposed(fm, st, cS_rows, m_block, kBlockM);
       const float* lse_s = &ss.lse_log2[stage][0];
       const float* dsum_s = &ss.dsum[stage][0];
       CUTE_UNROLL

@@ -4,8 +4,10 @@
 #include "common/kernel_smem.h"
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
+#include <string>
 
 #include "dispatch/bwd_dispatch.h"
+#include "error.h"
 #include "sm90/bwd_kernel.cuh"
 #include "sm90/tensor_map_encode.h"
 
@@ -18,6 +20,15 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   using Args = BwdArgs<Traits>;
   using Element = typename Traits::Element;
   static_assert(kBwdSm90PadRows % Traits::kBlockM == 0);
+  static_assert(Traits::kBlockN == sm90_bwd_block_n(Traits::kHeadDim), "FlashMask summaries' block size");
+  // FlashMask runs in the windowed variant only, on summaries made for this kernel's key blocks.
+  if (p.has_flashmask) {
+    if (!kHasWindow) raise_error("flash_ext: internal: FlashMask backward launched without the windowed variant");
+    if (p.fm.block_n != Traits::kBlockN) {
+      raise_error("flash_ext: FlashMask backward: key-block summaries made for block_n = " +
+                  std::to_string(p.fm.block_n) + ", the Hopper backward kernel uses " + std::to_string(Traits::kBlockN));
+    }
+  }
   Args args;
   args.p = p;
   args.lse_log2 = p.lse_log2;
