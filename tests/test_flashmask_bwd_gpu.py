@@ -13,7 +13,9 @@ reference and pt the same reference computed in the input dtype,
 no NaN, and exact zeros where the mask leaves nothing (fully masked rows, unseen keys).
 
 Every test runs on each sm80 backward kernel that has the FlashMask mode: v1, v2 and the small
-tile (FLASH_EXT_BWD_SMALL_TILE=1), plus the default dispatch (which must route FlashMask to sm80).
+tile (FLASH_EXT_BWD_SMALL_TILE=1), on the Hopper backward's FlashMask mode forced with
+FLASH_EXT_BWD_PATH=sm90 (sm90 GPUs only; not the varlen and deterministic tests, which that kernel
+does not run), plus the default dispatch (the Hopper backward on sm90 where it applies, else sm80).
 """
 
 import math
@@ -28,12 +30,17 @@ pytestmark = requires_cuda
 DTYPES = [torch.float16, torch.bfloat16]
 # (FLASH_EXT_BWD_PATH, FLASH_EXT_BWD_VARIANT, FLASH_EXT_BWD_SMALL_TILE) per fixture value.
 BWD_CONFIGS = {"sm80_v1": ("sm80", "1", "0"), "sm80_v2": ("sm80", "2", "0"),
-               "sm80_small": ("sm80", "1", "1"), "auto": ("auto", "2", "0")}
+               "sm80_small": ("sm80", "1", "1"), "sm90": ("sm90", "2", "0"), "auto": ("auto", "2", "0")}
 
 
 @pytest.fixture(autouse=True, params=list(BWD_CONFIGS), ids=lambda c: f"bwd_{c}")
 def bwd_config(request, tuning):
     path, variant, small = BWD_CONFIGS[request.param]
+    if path == "sm90":
+        if torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("the Hopper backward needs an sm90 GPU")
+        if "varlen" in request.node.name or "deterministic" in request.node.name:
+            pytest.skip("the Hopper backward has no varlen and no deterministic mode")
     tuning.set("FLASH_EXT_BWD_PATH", path)
     tuning.set("FLASH_EXT_BWD_VARIANT", variant)
     tuning.set("FLASH_EXT_BWD_SMALL_TILE", small)
