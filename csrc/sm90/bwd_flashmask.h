@@ -23,10 +23,14 @@ __device__ __forceinline__ void flashmask_apply_transposed(const KeyBlock& fm, T
   const int4* bounds = fm.nb();
   CUTE_UNROLL
   for (int r = 0; r < size<0>(st); ++r) {
+    // fm_masked's test with the intervals moved into tile columns: per score, a subtraction
+    // from a per-row value and an unsigned compare, as mask_transposed's per-row bounds.
     const int4 b = __ldg(bounds + get<0>(coords(r, 0)));
+    const int lt0 = b.x - row0, ut0 = b.z - row0;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(st); ++c) {
-      if (fm_masked(b, row0 + get<1>(coords(0, c)))) st(r, c) = -INFINITY;
+      const int col = get<1>(coords(0, c));
+      if (unsigned(col - lt0) < unsigned(b.y) || unsigned(col - ut0) < unsigned(b.w)) st(r, c) = -INFINITY;
     }
   }
 }
