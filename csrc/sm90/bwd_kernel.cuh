@@ -272,9 +272,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   if (m_min < m_max) {
     Barrier::wait(&ss.barrier_kv, 0);
     PipelineState read;
-    static_assert(Traits::kStages % 2 == 0, "the dS^T buffer alternates with the ring stage's parity");
+    static_assert(Traits::kStages % 2 == 0, "dS^T buffer: stage parity alternates per step (FlashMask skips)");
     for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max)) {
-      const int stage = read.index(), buf = stage & 1;  // buf alternates per step (not m_block - m_min)
+      const int stage = read.index(), buf = kHasWindow ? stage & 1 : (m_block - m_min) & 1;  // per step
       pipeline_q.consumer_wait(read);
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
