@@ -7,8 +7,9 @@ objects or equal new ones, the same Python scalars of the same types, -0.0 told 
 same grad mode) and return the same result, or raise the same exception type with the same
 message before any op call. Many random calls are drawn (dtypes, shapes, strides and offsets,
 devices, int or tensor cache_seqlens and their values, k/v present or not, window forms,
-scales, softcap signs, num_splits, return_softmax_lse, and the options that take the full path:
-rotary, ALiBi, cache_batch_idx, cache_leftpad, block_table, inputs that require grad), each
+scales, softcap signs, num_splits, return_softmax_lse, paged caches and their block_table forms,
+and the options that take the full path: rotary, ALiBi, cache_batch_idx, cache_leftpad, inputs
+that require grad), each
 call is run twice, once with the fast path switched off (``_fast_call`` returning None), and
 the two records are compared. Each run starts with an empty value-check cache, so both paths
 check the index values themselves; now and then the value-check policy says "skip" (as during
@@ -104,7 +105,8 @@ class Paths:
         if result is not None:
             self.hits += 1
             k, seqlens = args[3], args[5]
-            self.hit_kinds.add((k is not None, type(seqlens).__name__))
+            paged = len(args) > 13 and args[13] is not None
+            self.hit_kinds.add((k is not None, type(seqlens).__name__, paged))
         return result
 
     def run(self, kwargs, fast, grad, skip_values):
@@ -140,7 +142,11 @@ class Paths:
 
 ASPECTS = ("scale", "causal", "window", "softcap", "splits", "interleaved", "lse", "shape",
            "headdim", "dtype", "layout", "device", "not_tensor", "seqlens", "values", "newkv",
-           "options", "grad", "policy")
+           "options", "grad", "policy", "paged")
+# block_table forms: the fast path's (a contiguous int32 (batch, max_pages) tensor), and the
+# others, valid ones that take the full path (strided) or invalid ones.
+TABLE_FORMS = ["int64", "strided", "transposed", "1d", "rows", "meta", "list", "bad_entry",
+               "negative_entry", "float"]
 LAYOUTS = ["wide", "wide_unaligned", "offset", "strided_last", "expanded"]
 
 
@@ -220,6 +226,38 @@ def _scalars(rng):
     )
 
 
+def _block_table(rng, b, max_pages, num_pages):
+    """A block_table (b, max_pages) of distinct pages in [0, num_pages) where there are enough,
+    or now and then another form (TABLE_FORMS)."""
+    n = b * max_pages
+    if num_pages >= n:
+        entries = torch.randperm(num_pages)[:n].to(torch.int32)
+    else:
+        entries = torch.randint(0, max(num_pages, 1), (n,), dtype=torch.int32)
+    table = entries.view(b, max_pages)
+    form = rng.choice(TABLE_FORMS) if rng.rare(0.15, "paged") else "plain"
+    if form == "int64":
+        table = table.long()
+    elif form == "float":
+        table = table.float()
+    elif form == "strided":  # valid, last dim strided: the full path copies it
+        table = torch.stack([table, table], dim=-1).view(b, 2 * max_pages)[:, ::2]
+    elif form == "transposed":  # valid, rows strided (contiguous when b or max_pages is 1)
+        table = table.t().contiguous().t()
+    elif form == "1d":
+        table = table.reshape(-1)
+    elif form == "rows":
+        table = torch.cat([table, table[:1]])
+    elif form == "meta":
+        table = table.to("meta")
+    elif form == "list":
+        table = table.tolist()
+    elif form in ("bad_entry", "negative_entry") and n:
+        table = table.clone()
+        table.view(-1)[rng.randrange(n)] = num_pages if form == "bad_entry" else -1
+    return table
+
+
 def _case(rng):
     """The keyword arguments of one call."""
     b = _pick(rng, "shape", [1, 1, 2, 3], [0])
@@ -229,13 +267,19 @@ def _case(rng):
     d = _pick(rng, "headdim", HEAD_DIMS, BAD_HEAD_DIMS, 0.1)
     capacity = _pick(rng, "shape", [16, 32, 40], [0, 1, 8])
     b_cache = max(b + _pick(rng, "shape", [0, 0, 1], [-1]), 0)
+    paged = rng.random() < 0.25 or rng.rare(0.1, "paged")
+    if paged:  # k_cache (num_pages, page_size, hkv, d); capacity max_pages * page_size
+        page_size = _pick(rng, "paged", [16, 32, 16, 48], [8, 24, 40, 1, 0])
+        max_pages = _pick(rng, "paged", [1, 2, 3], [0])
+        b_cache = max(max(b, 0) * max_pages + _pick(rng, "paged", [0, 0, 2], [-1]), 0)
+        capacity = page_size * max_pages
     s_new = _pick(rng, "newkv", [1, 1, 2, 0], [0, 3, 50])
     dtype = rng.choice(OTHER_DTYPES) if rng.rare(0.05, "dtype") else rng.choice(DTYPES)
     dts = [dtype] * 5  # q, k_cache, v_cache, k, v
     if rng.rare(0.05, "dtype"):
         dts[rng.randrange(5)] = rng.choice(DTYPES + OTHER_DTYPES)
 
-    cache_shape = [b_cache, capacity, hkv, d]
+    cache_shape = [b_cache, page_size if paged else capacity, hkv, d]
     v_cache_shape = list(cache_shape)
     if rng.rare(0.05, "shape"):
         v_cache_shape[rng.randrange(4)] += 1
@@ -309,6 +353,11 @@ def _case(rng):
         else:
             kw["block_table"] = torch.arange(max(b, 0), dtype=torch.int32).view(-1, 1)
 
+    if paged:
+        kw["block_table"] = _block_table(rng, max(b, 0), max_pages, b_cache)
+        if rng.rare(0.03, "paged"):  # not allowed with block_table
+            kw["cache_batch_idx"] = torch.zeros(max(b, 0), dtype=torch.int32)
+
     # Inputs that require grad (the full path runs the ops without grad mode then)
     if rng.rare(0.05, "grad"):
         name = rng.choice(["q", "k", "v", "k_cache", "v_cache"])
@@ -340,11 +389,12 @@ def test_fast_path_equals_full_path(meta_ok, monkeypatch, chunk):
         _, result = paths.check(_case(rng), grad=grad, skip_values=skip_values)
         returned += result[0] == "returned"
     # Not vacuous: a good share of the calls are valid, most of those take the fast path, and
-    # it serves all four forms of the common call.
+    # it serves all eight forms of the common call (append or not, tensor or int lengths,
+    # contiguous or paged cache).
     assert returned > PER_CHUNK * 0.25, returned
     assert paths.hits > returned * 0.5, (paths.hits, returned)
-    assert paths.hit_kinds == {(True, "Tensor"), (True, "int"), (False, "Tensor"),
-                               (False, "int")}, paths.hit_kinds
+    assert paths.hit_kinds == {(k, s, p) for k in (True, False) for s in ("Tensor", "int")
+                               for p in (True, False)}, paths.hit_kinds
 
 
 # ---------------------------------------------------------------------------------------------
