@@ -621,22 +621,25 @@ def test_paged_values_checked_once_per_version(meta_ok, monkeypatch):
         seen.append(len(checks))
         kw["cache_seqlens"] += 1
     assert seen == [1, 2, 3]
-    kw["block_table"][0, 3] = 8  # the spare page: a new version of the table
-    flash_ext.flash_attn_with_kvcache(**kw, causal=True)
+    flash_ext.flash_attn_with_kvcache(**kw, causal=True)  # the last += 1: checked again
     flash_ext.flash_attn_with_kvcache(**kw, causal=True)
     assert len(checks) == 4 and len(entries) == 4
+    kw["block_table"][0, 3] = 8  # the spare page: a new version of the table only
+    flash_ext.flash_attn_with_kvcache(**kw, causal=True)
+    flash_ext.flash_attn_with_kvcache(**kw, causal=True)
+    assert len(checks) == 5 and len(entries) == 5
 
     kw = _paged_decode(seqlens="int")
     for length in (20, 20, 21, 21):
         flash_ext.flash_attn_with_kvcache(**dict(kw, cache_seqlens=length), causal=True)
-    assert len(checks) == 6 and len(entries) == 6
+    assert len(checks) == 7 and len(entries) == 7
     kw["block_table"].add_(0)  # an in-place write: checked again
     flash_ext.flash_attn_with_kvcache(**dict(kw, cache_seqlens=21), causal=True)
-    assert len(checks) == 7 and len(entries) == 7
+    assert len(checks) == 8 and len(entries) == 8
     # Control: the full path calls the check, which finds the fast path's entry.
     monkeypatch.setattr(kvcache, "_fast_call", lambda *a: None)
     flash_ext.flash_attn_with_kvcache(**dict(kw, cache_seqlens=21), causal=True)
-    assert len(checks) == 8 and len(entries) == 7
+    assert len(checks) == 9 and len(entries) == 8
 
 
 def test_paged_bad_entries_raise_before_any_op(meta_ok, monkeypatch):
