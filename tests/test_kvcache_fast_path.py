@@ -560,6 +560,21 @@ def _paged_decode(b=2, hq=8, hkv=2, d=64, page_size=16, max_pages=4, s_new=1,
     return kw
 
 
+def _count_fast_path_hits(monkeypatch):
+    """A list that gets a 1 for each call the fast path serves (not for those it declines)."""
+    hits = []
+    fast = kvcache._fast_call
+
+    def counted(*args):
+        result = fast(*args)
+        if result is not None:
+            hits.append(1)
+        return result
+
+    monkeypatch.setattr(kvcache, "_fast_call", counted)
+    return hits
+
+
 def test_paged_calls_take_the_fast_path(meta_ok, monkeypatch):
     """Paged decode steps (tensor or int lengths, append or not, page sizes 16 ... 256): served
     by the fast path, with the full path's op calls."""
@@ -584,9 +599,7 @@ def test_paged_fast_path_arguments(meta_ok, monkeypatch):
     calls = []
     monkeypatch.setattr(ops, "_kvcache_append", lambda *a: calls.append(("append", a)))
     monkeypatch.setattr(ops, "_fwd_kvcache", lambda *a: calls.append(("fwd", a)) or ("o", "l"))
-    hits = []
-    fast = kvcache._fast_call
-    monkeypatch.setattr(kvcache, "_fast_call", lambda *a: hits.append(1) or fast(*a))
+    hits = _count_fast_path_hits(monkeypatch)
     kw = _paged_decode(page_size=32, max_pages=3, seqlens="int")
     kw["cache_seqlens"] = 3 * 32 - 1
     assert flash_ext.flash_attn_with_kvcache(**kw, causal=True) == "o"
@@ -726,3 +739,38 @@ def test_paged_variants_the_fast_path_declines(meta_ok, monkeypatch, name, chang
     _, result = paths.check(dict(kw, causal=True))
     assert paths.hits == 0
     assert (result[0] == "returned") == valid, result
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("seqlens", ["tensor", "int"])
+def test_paged_fast_path_on_the_gpu(page_size, seqlens, monkeypatch):
+    """On CUDA with the real kernels: a paged decode step (batch 1, 8k slots) takes the fast
+    path, and it gives the full path's output, lse and caches bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not getattr(ops, "_HAS_KVCACHE_OPS", False):
+        pytest.skip("this build of flash_ext._C has no KV-cache ops")
+    torch.manual_seed(0)
+    dev, dt, hq, hkv, d, cap = "cuda", torch.bfloat16, 32, 8, 128, 8192
+    pages = cap // page_size
+    kw = dict(q=torch.randn(1, 1, hq, d, device=dev, dtype=dt),
+              k_cache=torch.randn(pages + 3, page_size, hkv, d, device=dev, dtype=dt),
+              v_cache=torch.randn(pages + 3, page_size, hkv, d, device=dev, dtype=dt),
+              k=torch.randn(1, 1, hkv, d, device=dev, dtype=dt),
+              v=torch.randn(1, 1, hkv, d, device=dev, dtype=dt),
+              block_table=torch.randperm(pages + 3, device=dev)[:pages].view(1, pages).int(),
+              cache_seqlens=(torch.tensor([4000], dtype=torch.int32, device=dev)
+                             if seqlens == "tensor" else 4000))
+    hits = _count_fast_path_hits(monkeypatch)
+
+    def run(kw):
+        kw = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+        out, lse = flash_ext.flash_attn_with_kvcache(**kw, causal=True, return_softmax_lse=True)
+        return out, lse, kw["k_cache"], kw["v_cache"]
+
+    fast_result = run(kw)
+    assert len(hits) == 1
+    monkeypatch.setattr(kvcache, "_fast_call", lambda *a: None)
+    full_result = run(kw)
+    for a, b in zip(fast_result, full_result):
+        assert torch.equal(a, b)
