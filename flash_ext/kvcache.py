@@ -95,10 +95,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (flash_ext/_validation.py).
     """
     if rotary_cos is None and rotary_sin is None and cache_batch_idx is None \
-            and cache_leftpad is None and block_table is None and alibi_slopes is None:
+            and cache_leftpad is None and alibi_slopes is None:
         result = _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
                             window_size, softcap, rotary_interleaved, num_splits,
-                            return_softmax_lse)
+                            return_softmax_lse, block_table)
         if result is not None:
             return result
     capacity, seqlen_new = _validation.check_kvcache_inputs(
@@ -133,19 +133,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if return_softmax_lse else out
 
 
-# What check_kvcache_values keys its cache entry on, for the fast path's calls: cache_seqlens
-# the only index tensor (no leftpad, batch index or pages), no rotary table.
+# What check_kvcache_values keys its cache entry on, for the fast path's calls (which index
+# tensors are given: cache_seqlens, cache_leftpad, cache_batch_idx, block_table); no rotary table.
 _SEQLENS_ONLY = (True, None, None, None)
+_SEQLENS_AND_PAGES = (True, None, None, True)
+_PAGES_ONLY = (None, None, None, True)
 
 
 def _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
-               softcap, rotary_interleaved, num_splits, return_softmax_lse):
+               softcap, rotary_interleaved, num_splits, return_softmax_lse, block_table=None):
     """The common decode call, recognised with a few inline tests and run: what the full path
     returns, or None for anything else (nothing called then; the caller runs the full path).
 
     Why: the full path's checks and argument handling cost more host time than the two ops'
     dispatch (issue 26: ~35 us of a 68 us decode call on the H100 machine). Its caller has
-    already seen no rotary, cache_batch_idx, cache_leftpad, block_table or alibi_slopes.
+    already seen no rotary, cache_batch_idx, cache_leftpad or alibi_slopes.
 
     What it must keep equal to the full path (tests/test_kvcache_fast_path.py checks it): it
     accepts only calls that the full path's structural checks accept, applies the same value
@@ -158,7 +160,10 @@ def _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, 
     The common call: q, k_cache, v_cache (and k, v, both or neither) plain torch.Tensor on one
     CUDA device (or CPU with flash_ext._FAST_PATH_ON_CPU), none requiring grad, all float16 or
     all bfloat16, 4-D with consistent shapes (batch_cache >= batch, nheads a multiple of
-    nheads_k, head dim a multiple of 8 and <= 256), rows aligned (ops._is_aligned);
+    nheads_k, head dim a multiple of 8 and <= 256), rows aligned (ops._is_aligned); or a paged
+    cache: block_table a contiguous int32 (batch, max_pages) tensor on that device, the caches
+    (num_pages, page_size, nheads_k, head dim) with page_size a positive multiple of 16
+    (capacity max_pages * page_size, any num_pages: check_block_table's rules);
     cache_seqlens a plain int or a contiguous int32 (batch,) tensor on that device;
     softmax_scale None or a finite float > 0; causal and rotary_interleaved bools; window_size
     a tuple or list of two ints >= -1; softcap a finite float; num_splits an int >= 0;
@@ -187,8 +192,22 @@ def _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, 
     cache_shape = k_cache.shape
     b_cache, capacity, hkv, d_cache = cache_shape
     if v_cache.shape != cache_shape or d_cache != d or d % 8 or d > _validation.MAX_HEADDIM \
-            or d < 1 or b < 1 or sq < 1 or hq < 1 or hkv < 1 or hq % hkv or b_cache < b:
+            or d < 1 or b < 1 or sq < 1 or hq < 1 or hkv < 1 or hq % hkv:
         return None
+    if block_table is None:
+        if b_cache < b:
+            return None
+        page_size = 0
+    else:  # k_cache (num_pages, page_size, hkv, d): b_cache is num_pages, any count
+        if type(block_table) is not tensor or block_table.dtype is not torch.int32 \
+                or not (block_table.is_cuda or cpu and block_table.is_cpu) \
+                or block_table.get_device() != device or block_table.dim() != 2 \
+                or block_table.shape[0] != b or not block_table.is_contiguous():
+            return None
+        page_size = capacity
+        if page_size < 1 or page_size % _validation.KVCACHE_PAGE_MULTIPLE:
+            return None
+        capacity = block_table.shape[1] * page_size
 
     # The new tokens
     if k is None:
@@ -255,24 +274,46 @@ def _fast_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, 
     if not (_rows_aligned(q) and _rows_aligned(k_cache) and _rows_aligned(v_cache)):
         return None
 
-    if seqlens_tensor is not None:
-        # check_kvcache_values' policy: a hit of its cache entry (the same tensor, version and
-        # parameters) means checked; anything else is left to it (it checks, or skips during
-        # capture, with FLASH_EXT_CHECK_KVCACHE=0, ..., and raises for bad values).
-        params = (_SEQLENS_ONLY, None, capacity, seqlen_new, 0, 0, b_cache, sq, None)
-        entry = _validation._CHECKED.get(("kvcache", id(seqlens_tensor)))
-        if entry is None or entry[0][0]() is not seqlens_tensor or entry[2] != params \
-                or entry[1][0] != seqlens_tensor._version:
+    # check_kvcache_values' policy: a hit of its cache entry (the same tensors, versions and
+    # parameters) means checked; anything else is left to it (it checks, or skips during
+    # capture, with FLASH_EXT_CHECK_KVCACHE=0, ..., and raises for bad values). Its entry's
+    # key and parameters, as it makes them.
+    if block_table is None:
+        if seqlens_tensor is not None:
+            params = (_SEQLENS_ONLY, None, capacity, seqlen_new, 0, 0, b_cache, sq, None)
+            entry = _validation._CHECKED.get(("kvcache", id(seqlens_tensor)))
+            if entry is None or entry[0][0]() is not seqlens_tensor or entry[2] != params \
+                    or entry[1][0] != seqlens_tensor._version:
+                _validation.check_kvcache_values(
+                    q, k_cache, seqlens_tensor, None, None, None, capacity, seqlen_new, None,
+                    left >= 0 or right >= 0)
+    elif seqlens_tensor is not None:
+        params = (_SEQLENS_AND_PAGES, None, capacity, seqlen_new, page_size, b_cache, b_cache,
+                  sq, None)
+        entry = _validation._CHECKED.get(("kvcache", id(seqlens_tensor), id(block_table)))
+        if entry is None or entry[2] != params or entry[0][0]() is not seqlens_tensor \
+                or entry[0][1]() is not block_table \
+                or entry[1] != (seqlens_tensor._version, block_table._version):
             _validation.check_kvcache_values(
-                q, k_cache, seqlens_tensor, None, None, None, capacity, seqlen_new, None,
+                q, k_cache, seqlens_tensor, None, None, block_table, capacity, seqlen_new,
+                None, left >= 0 or right >= 0)
+    else:
+        params = (_PAGES_ONLY, seqlen_int, capacity, seqlen_new, page_size, b_cache, b_cache,
+                  sq, None)
+        entry = _validation._CHECKED.get(("kvcache", id(block_table)))
+        if entry is None or entry[2] != params or entry[0][0]() is not block_table \
+                or entry[1][0] != block_table._version:
+            _validation.check_kvcache_values(
+                q, k_cache, seqlen_int, None, None, block_table, capacity, seqlen_new, None,
                 left >= 0 or right >= 0)
 
     if seqlen_new > 0:
         ops._kvcache_append(k_cache, v_cache, k, v, None, None, seqlens_tensor, seqlen_int,
-                            None, None, None, rotary_interleaved)
+                            None, None, block_table, rotary_interleaved)
     result = ops._fwd_kvcache(q, k_cache, v_cache, None, None, seqlens_tensor, seqlen_int,
-                              seqlen_new, None, None, None, None, scale, causal, left, right,
-                              softcap if softcap > 0.0 else 0.0, rotary_interleaved, num_splits)
+                              seqlen_new, None, None, block_table, None, scale, causal, left,
+                              right, softcap if softcap > 0.0 else 0.0, rotary_interleaved,
+                              num_splits)
     return result if return_softmax_lse else result[0]
 
 

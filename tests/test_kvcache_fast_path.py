@@ -7,8 +7,9 @@ objects or equal new ones, the same Python scalars of the same types, -0.0 told 
 same grad mode) and return the same result, or raise the same exception type with the same
 message before any op call. Many random calls are drawn (dtypes, shapes, strides and offsets,
 devices, int or tensor cache_seqlens and their values, k/v present or not, window forms,
-scales, softcap signs, num_splits, return_softmax_lse, and the options that take the full path:
-rotary, ALiBi, cache_batch_idx, cache_leftpad, block_table, inputs that require grad), each
+scales, softcap signs, num_splits, return_softmax_lse, paged caches and their block_table forms,
+and the options that take the full path: rotary, ALiBi, cache_batch_idx, cache_leftpad, inputs
+that require grad), each
 call is run twice, once with the fast path switched off (``_fast_call`` returning None), and
 the two records are compared. Each run starts with an empty value-check cache, so both paths
 check the index values themselves; now and then the value-check policy says "skip" (as during
@@ -104,7 +105,8 @@ class Paths:
         if result is not None:
             self.hits += 1
             k, seqlens = args[3], args[5]
-            self.hit_kinds.add((k is not None, type(seqlens).__name__))
+            paged = len(args) > 13 and args[13] is not None
+            self.hit_kinds.add((k is not None, type(seqlens).__name__, paged))
         return result
 
     def run(self, kwargs, fast, grad, skip_values):
@@ -140,7 +142,11 @@ class Paths:
 
 ASPECTS = ("scale", "causal", "window", "softcap", "splits", "interleaved", "lse", "shape",
            "headdim", "dtype", "layout", "device", "not_tensor", "seqlens", "values", "newkv",
-           "options", "grad", "policy")
+           "options", "grad", "policy", "paged")
+# block_table forms: the fast path's (a contiguous int32 (batch, max_pages) tensor), and the
+# others, valid ones that take the full path (strided) or invalid ones.
+TABLE_FORMS = ["int64", "strided", "transposed", "1d", "rows", "meta", "list", "bad_entry",
+               "negative_entry", "float"]
 LAYOUTS = ["wide", "wide_unaligned", "offset", "strided_last", "expanded"]
 
 
@@ -220,6 +226,38 @@ def _scalars(rng):
     )
 
 
+def _block_table(rng, b, max_pages, num_pages):
+    """A block_table (b, max_pages) of distinct pages in [0, num_pages) where there are enough,
+    or now and then another form (TABLE_FORMS)."""
+    n = b * max_pages
+    if num_pages >= n:
+        entries = torch.randperm(num_pages)[:n].to(torch.int32)
+    else:
+        entries = torch.randint(0, max(num_pages, 1), (n,), dtype=torch.int32)
+    table = entries.view(b, max_pages)
+    form = rng.choice(TABLE_FORMS) if rng.rare(0.15, "paged") else "plain"
+    if form == "int64":
+        table = table.long()
+    elif form == "float":
+        table = table.float()
+    elif form == "strided":  # valid, last dim strided: the full path copies it
+        table = torch.stack([table, table], dim=-1).view(b, 2 * max_pages)[:, ::2]
+    elif form == "transposed":  # valid, rows strided (contiguous when b or max_pages is 1)
+        table = table.t().contiguous().t()
+    elif form == "1d":
+        table = table.reshape(-1)
+    elif form == "rows":
+        table = torch.cat([table, table[:1]])
+    elif form == "meta":
+        table = table.to("meta")
+    elif form == "list":
+        table = table.tolist()
+    elif form in ("bad_entry", "negative_entry") and n:
+        table = table.clone()
+        table.view(-1)[rng.randrange(n)] = num_pages if form == "bad_entry" else -1
+    return table
+
+
 def _case(rng):
     """The keyword arguments of one call."""
     b = _pick(rng, "shape", [1, 1, 2, 3], [0])
@@ -229,13 +267,19 @@ def _case(rng):
     d = _pick(rng, "headdim", HEAD_DIMS, BAD_HEAD_DIMS, 0.1)
     capacity = _pick(rng, "shape", [16, 32, 40], [0, 1, 8])
     b_cache = max(b + _pick(rng, "shape", [0, 0, 1], [-1]), 0)
+    paged = rng.random() < 0.25 or rng.rare(0.1, "paged")
+    if paged:  # k_cache (num_pages, page_size, hkv, d); capacity max_pages * page_size
+        page_size = _pick(rng, "paged", [16, 32, 16, 48], [8, 24, 40, 1, 0])
+        max_pages = _pick(rng, "paged", [1, 2, 3], [0])
+        b_cache = max(max(b, 0) * max_pages + _pick(rng, "paged", [0, 0, 2], [-1]), 0)
+        capacity = page_size * max_pages
     s_new = _pick(rng, "newkv", [1, 1, 2, 0], [0, 3, 50])
     dtype = rng.choice(OTHER_DTYPES) if rng.rare(0.05, "dtype") else rng.choice(DTYPES)
     dts = [dtype] * 5  # q, k_cache, v_cache, k, v
     if rng.rare(0.05, "dtype"):
         dts[rng.randrange(5)] = rng.choice(DTYPES + OTHER_DTYPES)
 
-    cache_shape = [b_cache, capacity, hkv, d]
+    cache_shape = [b_cache, page_size if paged else capacity, hkv, d]
     v_cache_shape = list(cache_shape)
     if rng.rare(0.05, "shape"):
         v_cache_shape[rng.randrange(4)] += 1
@@ -309,6 +353,11 @@ def _case(rng):
         else:
             kw["block_table"] = torch.arange(max(b, 0), dtype=torch.int32).view(-1, 1)
 
+    if paged:
+        kw["block_table"] = _block_table(rng, max(b, 0), max_pages, b_cache)
+        if rng.rare(0.03, "paged"):  # not allowed with block_table
+            kw["cache_batch_idx"] = torch.zeros(max(b, 0), dtype=torch.int32)
+
     # Inputs that require grad (the full path runs the ops without grad mode then)
     if rng.rare(0.05, "grad"):
         name = rng.choice(["q", "k", "v", "k_cache", "v_cache"])
@@ -340,11 +389,12 @@ def test_fast_path_equals_full_path(meta_ok, monkeypatch, chunk):
         _, result = paths.check(_case(rng), grad=grad, skip_values=skip_values)
         returned += result[0] == "returned"
     # Not vacuous: a good share of the calls are valid, most of those take the fast path, and
-    # it serves all four forms of the common call.
+    # it serves all eight forms of the common call (append or not, tensor or int lengths,
+    # contiguous or paged cache).
     assert returned > PER_CHUNK * 0.25, returned
     assert paths.hits > returned * 0.5, (paths.hits, returned)
-    assert paths.hit_kinds == {(True, "Tensor"), (True, "int"), (False, "Tensor"),
-                               (False, "int")}, paths.hit_kinds
+    assert paths.hit_kinds == {(k, s, p) for k in (True, False) for s in ("Tensor", "int")
+                               for p in (True, False)}, paths.hit_kinds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,3 +536,241 @@ def test_fake_tensors_take_the_full_path(meta_ok, fake_mode):
         fake = {n: (fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t)
                 for n, t in kw.items()}
         assert kvcache._fast_call(*_fast_args_of(fake)) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged caches (block_table)
+# ---------------------------------------------------------------------------------------------
+
+
+def _paged_decode(b=2, hq=8, hkv=2, d=64, page_size=16, max_pages=4, s_new=1,
+                  dtype=torch.bfloat16, seqlens="tensor"):
+    """A decode step against a paged cache: sequence i on pages i, i + b, i + 2b, ... of
+    b * max_pages + 1 pages (one spare)."""
+    num_pages = b * max_pages + 1
+    kw = dict(q=torch.randn(b, 1, hq, d).to(dtype),
+              k_cache=torch.randn(num_pages, page_size, hkv, d).to(dtype),
+              v_cache=torch.randn(num_pages, page_size, hkv, d).to(dtype),
+              block_table=torch.arange(b * max_pages, dtype=torch.int32).view(max_pages, b)
+              .t().contiguous())
+    if s_new:
+        kw["k"] = torch.randn(b, s_new, hkv, d).to(dtype)
+        kw["v"] = torch.randn(b, s_new, hkv, d).to(dtype)
+    kw["cache_seqlens"] = torch.arange(b, dtype=torch.int32) + 20 if seqlens == "tensor" else 20
+    return kw
+
+
+def _count_fast_path_hits(monkeypatch):
+    """A list that gets a 1 for each call the fast path serves (not for those it declines)."""
+    hits = []
+    fast = kvcache._fast_call
+
+    def counted(*args):
+        result = fast(*args)
+        if result is not None:
+            hits.append(1)
+        return result
+
+    monkeypatch.setattr(kvcache, "_fast_call", counted)
+    return hits
+
+
+def test_paged_calls_take_the_fast_path(meta_ok, monkeypatch):
+    """Paged decode steps (tensor or int lengths, append or not, page sizes 16 ... 256): served
+    by the fast path, with the full path's op calls."""
+    paths = Paths(monkeypatch)
+    n = 0
+    for page_size in (16, 48, 256):
+        for seqlens in ("tensor", "int"):
+            for s_new in (1, 0, 3):
+                kw = _paged_decode(page_size=page_size, s_new=s_new, seqlens=seqlens)
+                calls, result = paths.check(dict(kw, causal=True))
+                assert result[0] == "returned"
+                assert [c[0] for c in calls] == (["append", "fwd"] if s_new else ["fwd"])
+                paths.check(dict(kw, softmax_scale=0.3, window_size=(16, 0), softcap=20.0,
+                                 num_splits=2, return_softmax_lse=True))
+                n += 2
+    assert paths.hits == n
+
+
+def test_paged_fast_path_arguments(meta_ok, monkeypatch):
+    """The caller's block_table itself, in the append's and the attention's block_table slot;
+    capacity max_pages * page_size (an int length that fills it exactly is accepted)."""
+    calls = []
+    monkeypatch.setattr(ops, "_kvcache_append", lambda *a: calls.append(("append", a)))
+    monkeypatch.setattr(ops, "_fwd_kvcache", lambda *a: calls.append(("fwd", a)) or ("o", "l"))
+    hits = _count_fast_path_hits(monkeypatch)
+    kw = _paged_decode(page_size=32, max_pages=3, seqlens="int")
+    kw["cache_seqlens"] = 3 * 32 - 1
+    assert flash_ext.flash_attn_with_kvcache(**kw, causal=True) == "o"
+    assert hits == [1]
+    (_, append), (_, fwd) = calls
+    assert append[:4] == (kw["k_cache"], kw["v_cache"], kw["k"], kw["v"])
+    assert append[4:] == (None, None, None, 95, None, None, kw["block_table"], True)
+    assert append[10] is kw["block_table"] and fwd[10] is kw["block_table"]
+    assert fwd[3:12] == (None, None, None, 95, 1, None, None, kw["block_table"], None)
+
+
+def test_paged_values_checked_once_per_version(meta_ok, monkeypatch):
+    """The value check of a paged call runs once per (cache_seqlens, block_table) and their
+    versions, or once per block_table version with int lengths: the next layers' calls find
+    the entry; an in-place update of either tensor, or another int length, checks again; the
+    full path finds the entry the fast path's check left (the same key)."""
+    monkeypatch.setattr(ops, "_kvcache_append", lambda *a: None)
+    monkeypatch.setattr(ops, "_fwd_kvcache", lambda q, *a: (q, None))
+    checks = []
+    real = _validation.check_kvcache_values
+    monkeypatch.setattr(_validation, "check_kvcache_values",
+                        lambda *a: checks.append(1) or real(*a))
+    entries = []
+    remember = _validation._remember_values_checked
+    monkeypatch.setattr(_validation, "_remember_values_checked",
+                        lambda *a: entries.append(1) or remember(*a))
+    kw = _paged_decode()
+    seen = []
+    for step in range(3):
+        flash_ext.flash_attn_with_kvcache(**kw, causal=True)
+        flash_ext.flash_attn_with_kvcache(**kw, causal=True)  # the next layer: no check
+        seen.append(len(checks))
+        kw["cache_seqlens"] += 1
+    assert seen == [1, 2, 3]
+    flash_ext.flash_attn_with_kvcache(**kw, causal=True)  # the last += 1: checked again
+    flash_ext.flash_attn_with_kvcache(**kw, causal=True)
+    assert len(checks) == 4 and len(entries) == 4
+    kw["block_table"][0, 3] = 8  # the spare page: a new version of the table only
+    flash_ext.flash_attn_with_kvcache(**kw, causal=True)
+    flash_ext.flash_attn_with_kvcache(**kw, causal=True)
+    assert len(checks) == 5 and len(entries) == 5
+
+    kw = _paged_decode(seqlens="int")
+    for length in (20, 20, 21, 21):
+        flash_ext.flash_attn_with_kvcache(**dict(kw, cache_seqlens=length), causal=True)
+    assert len(checks) == 7 and len(entries) == 7
+    kw["block_table"].add_(0)  # an in-place write: checked again
+    flash_ext.flash_attn_with_kvcache(**dict(kw, cache_seqlens=21), causal=True)
+    assert len(checks) == 8 and len(entries) == 8
+    # Control: the full path calls the check, which finds the fast path's entry.
+    monkeypatch.setattr(kvcache, "_fast_call", lambda *a: None)
+    flash_ext.flash_attn_with_kvcache(**dict(kw, cache_seqlens=21), causal=True)
+    assert len(checks) == 9 and len(entries) == 8
+
+
+def test_paged_bad_entries_raise_before_any_op(meta_ok, monkeypatch):
+    """A block_table entry out of range among the pages in use: the fast path's value check
+    raises the full path's error, nothing called; with the switch off, CPU tables are checked
+    all the same."""
+    monkeypatch.setattr(ops, "_kvcache_append", lambda *a: pytest.fail("append called"))
+    monkeypatch.setattr(ops, "_fwd_kvcache", lambda *a: pytest.fail("fwd called"))
+    monkeypatch.setattr(_validation, "CHECK_KVCACHE_VALUES", False)
+    hits = []
+    fast = kvcache._fast_call
+    monkeypatch.setattr(kvcache, "_fast_call", lambda *a: hits.append(fast(*a)))
+    for seqlens in ("tensor", "int"):
+        kw = _paged_decode(seqlens=seqlens)
+        kw["block_table"][1, 1] = kw["k_cache"].shape[0]  # page 1 holds keys 16..31: in use
+        with pytest.raises(flash_ext.FlashExtValueError, match=r"block_table\[1, 1\] = 9"):
+            flash_ext.flash_attn_with_kvcache(**kw, causal=True)
+    assert len(hits) == 0  # raised inside the fast path, before it returned
+
+
+def _table_variants():
+    """(name, change of the paged decode kwargs, whether the full path accepts it)."""
+    def page_size(n):
+        def change(kw):
+            kw["k_cache"] = torch.randn(9, n, 2, 64).to(torch.bfloat16)
+            kw["v_cache"] = torch.randn(9, n, 2, 64).to(torch.bfloat16)
+        return change
+
+    def table(fn):
+        def change(kw):
+            kw["block_table"] = fn(kw["block_table"])
+        return change
+
+    def strided(t):
+        return torch.stack([t, t], dim=-1).view(t.shape[0], -1)[:, ::2]
+
+    def rows_strided(t):
+        wide = torch.zeros(t.shape[0], t.shape[1] + 4, dtype=torch.int32)
+        wide[:, :t.shape[1]] = t
+        return wide[:, :t.shape[1]]
+
+    return [
+        ("page size 8", page_size(8), False),
+        ("page size 24", page_size(24), False),
+        ("page size 1", page_size(1), False),
+        ("page size 0", page_size(0), False),
+        ("int64 table", table(lambda t: t.long()), False),
+        ("int16 table", table(lambda t: t.short()), False),
+        ("float table", table(lambda t: t.float()), False),
+        ("strided last dim", table(strided), True),
+        ("strided rows", table(rows_strided), True),
+        ("transposed", table(lambda t: t.t().contiguous().t()), True),
+        ("1-D table", table(lambda t: t.reshape(-1)), False),
+        ("3-D table", table(lambda t: t.unsqueeze(0)), False),
+        ("a row too many", table(lambda t: torch.cat([t, t[:1]])), False),
+        ("a row too few", table(lambda t: t[:1]), False),
+        ("meta table", table(lambda t: t.to("meta")), False),
+        ("list table", table(lambda t: t.tolist()), False),
+        ("numpy table", table(lambda t: t.numpy()), False),
+        ("with cache_batch_idx", lambda kw: kw.update(
+            cache_batch_idx=torch.zeros(2, dtype=torch.int32)), False),
+        ("int length past capacity", lambda kw: kw.update(cache_seqlens=64), False),
+        ("seqlen_q past capacity", lambda kw: kw.update(
+            q=torch.randn(2, 65, 8, 64).to(torch.bfloat16)), False),
+    ]
+
+
+@pytest.mark.parametrize("name,change,valid", _table_variants(),
+                         ids=[v[0] for v in _table_variants()])
+def test_paged_variants_the_fast_path_declines(meta_ok, monkeypatch, name, change, valid):
+    """Every block_table form but a contiguous int32 (batch, max_pages) tensor on q's device,
+    every page size but a positive multiple of 16, and anything the full path rejects: the
+    fast path declines (None, nothing called), and the call gives the full path's result or
+    its error."""
+    kw = _paged_decode()
+    change(kw)
+    monkeypatch.setattr(ops, "_kvcache_append", lambda *a: pytest.fail("append called"))
+    monkeypatch.setattr(ops, "_fwd_kvcache", lambda *a: pytest.fail("fwd called"))
+    if "cache_batch_idx" not in kw:  # (that one its caller screens: _fast_call never sees it)
+        args = (kw["q"], kw["k_cache"], kw["v_cache"], kw["k"], kw["v"], kw["cache_seqlens"],
+                None, True, (-1, -1), 0.0, True, 0, False, kw["block_table"])
+        assert kvcache._fast_call(*args) is None
+    paths = Paths(monkeypatch)
+    _, result = paths.check(dict(kw, causal=True))
+    assert paths.hits == 0
+    assert (result[0] == "returned") == valid, result
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("seqlens", ["tensor", "int"])
+def test_paged_fast_path_on_the_gpu(page_size, seqlens, monkeypatch):
+    """On CUDA with the real kernels: a paged decode step (batch 1, 8k slots) takes the fast
+    path, and it gives the full path's output, lse and caches bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not getattr(ops, "_HAS_KVCACHE_OPS", False):
+        pytest.skip("this build of flash_ext._C has no KV-cache ops")
+    torch.manual_seed(0)
+    dev, dt, hq, hkv, d, cap = "cuda", torch.bfloat16, 32, 8, 128, 8192
+    pages = cap // page_size
+    kw = dict(q=torch.randn(1, 1, hq, d, device=dev, dtype=dt),
+              k_cache=torch.randn(pages + 3, page_size, hkv, d, device=dev, dtype=dt),
+              v_cache=torch.randn(pages + 3, page_size, hkv, d, device=dev, dtype=dt),
+              k=torch.randn(1, 1, hkv, d, device=dev, dtype=dt),
+              v=torch.randn(1, 1, hkv, d, device=dev, dtype=dt),
+              block_table=torch.randperm(pages + 3, device=dev)[:pages].view(1, pages).int(),
+              cache_seqlens=(torch.tensor([4000], dtype=torch.int32, device=dev)
+                             if seqlens == "tensor" else 4000))
+    hits = _count_fast_path_hits(monkeypatch)
+
+    def run(kw):
+        kw = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+        out, lse = flash_ext.flash_attn_with_kvcache(**kw, causal=True, return_softmax_lse=True)
+        return out, lse, kw["k_cache"], kw["v_cache"]
+
+    fast_result = run(kw)
+    assert len(hits) == 1
+    monkeypatch.setattr(kvcache, "_fast_call", lambda *a: None)
+    full_result = run(kw)
+    for a, b in zip(fast_result, full_result):
+        assert torch.equal(a, b)

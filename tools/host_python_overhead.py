@@ -15,7 +15,8 @@ package), so before / after comparisons use one script.
 slots), ops._kvcache_append / _fwd_kvcache replaced by no-ops, each case timed on the fast path
 and on the full path (the fast path switched off: flash_ext.kvcache._fast_call returning None).
 cache_seqlens is one tensor for every call, so its value check is done once and then found in
-the cache (as for the layers of one decode step)."""
+the cache (as for the layers of one decode step). The "paged" cases use the same 8k slots as 32
+pages of 256 tokens with one block_table tensor (checked once, like cache_seqlens)."""
 import argparse
 import importlib.util
 import os
@@ -115,6 +116,11 @@ def kvcache_main(flash_ext, a):
     k_cache, v_cache = (torch.randn(b, capacity, hkv, d, dtype=dt) for _ in range(2))
     k, v = (torch.randn(b, 1, hkv, d, dtype=dt) for _ in range(2))
     lens = torch.full((b,), 4000, dtype=torch.int32)
+    # The same 8k slots as a paged cache: 32 pages of 256 tokens, sequence b on pages 32b...
+    page_size = 256
+    pages = capacity // page_size
+    k_paged, v_paged = (torch.randn(b * pages, page_size, hkv, d, dtype=dt) for _ in range(2))
+    table = torch.arange(b * pages, dtype=torch.int32).view(b, pages)
     fwd_result = (torch.empty_like(q), torch.empty(b, hq, 1, dtype=torch.float32))
     ops._kvcache_append = lambda *args: None
     ops._fwd_kvcache = lambda *args: fwd_result
@@ -130,6 +136,12 @@ def kvcache_main(flash_ext, a):
         "append, tensor, scale/window/softcap/lse": lambda: f(
             q, k_cache, v_cache, k, v, cache_seqlens=lens, softmax_scale=0.1,
             window_size=(1024, 0), softcap=30.0, return_softmax_lse=True),
+        "paged: no append, tensor cache_seqlens": lambda: f(
+            q, k_paged, v_paged, cache_seqlens=lens, block_table=table),
+        "paged: append k, v, tensor cache_seqlens, causal": lambda: f(
+            q, k_paged, v_paged, k, v, cache_seqlens=lens, block_table=table, causal=True),
+        "paged: append k, v, int cache_seqlens, causal": lambda: f(
+            q, k_paged, v_paged, k, v, cache_seqlens=4000, block_table=table, causal=True),
     }
     fast_call = getattr(kvcache, "_fast_call", None)
     print(f"flash_ext from {os.path.dirname(flash_ext.__file__)}; flash_attn_with_kvcache, "
