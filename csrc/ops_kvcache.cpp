@@ -16,6 +16,7 @@
 
 #include "api/checks.h"
 #include "api/errors.h"
+#include "api/workspace.h"
 #include "device_info.h"
 #include "dispatch/decode_dispatch.h"
 #include "dispatch/kernel_table.h"
@@ -269,14 +270,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(8, (dev.smem_optin_bytes + 1024) / (decode_smem_bytes(kd) + 1024)));
   p.num_splits = choose_decode_splits(int(num_splits), batch * heads_kv * m_blocks, int64_t(dev.sms) * ctas_per_sm,
                                       (c.capacity + decode_block_n(kd) - 1) / decode_block_n(kd));
-  at::Tensor partials;  // alive until the launch is queued
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+  at::Tensor partials, arrivals;  // alive until the launch is queued
   if (p.num_splits > 1) {
     const int64_t rows = batch * heads_q * seqlen_q;
     partials = at::empty({int64_t(p.num_splits) * rows * (kd + 1)}, q.options().dtype(at::kFloat));
     p.o_partial = partials.data_ptr<float>();
     p.lse_partial = p.o_partial + int64_t(p.num_splits) * rows * kd;
+    p.split_arrivals = zeroed_counters(batch * heads_kv * m_blocks, q.options(), q.get_device(), stream, arrivals);
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
   visit_dtype(is_bf16, [&](auto bf16) {
     visit_kernel_head_dim<Family::kDecode>(kd, [&](auto d) { run_decode<decltype(d)::value, decltype(bf16)::value>(p, stream); });
   });

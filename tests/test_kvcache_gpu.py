@@ -153,6 +153,29 @@ def test_num_splits_agree(num_splits):
     run_and_check(kw, num_splits)
 
 
+def test_split_merge_counters_reused_across_calls_and_streams():
+    """The split that finishes last merges a tile's splits and leaves its arrival counter at 0:
+    calls with more and then fewer tiles, forced split counts and two streams all give the first
+    call's result, bit for bit, and that result is the reference's."""
+    shapes = [(1, 1, 5), (4, 3, 9), (2, 17, 3), (3, 1, 128)]  # (batch, seqlen_q, num_splits)
+    cases = [_to_cuda(make_case(b=b, sq=sq, hq=8, hkv=2, d=128, capacity=1024, s_new=0,
+                                dtype=torch.bfloat16, causal=i % 2 == 0, seed=40 + i))
+             for i, (b, sq, _) in enumerate(shapes)]
+    first = []
+    for kw, (_, _, splits) in zip(cases, shapes):
+        first.append(run_and_check(kw, splits))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for rep in range(6):
+        for i, (kw, (_, _, splits)) in enumerate(zip(cases, shapes)):
+            stream = streams[(rep + i) % 2]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out, lse = flash_ext.flash_attn_with_kvcache(**kw, num_splits=splits,
+                                                             return_softmax_lse=True)
+            torch.cuda.current_stream().wait_stream(stream)
+            assert torch.equal(out, first[i][0]) and torch.equal(lse, first[i][1]), (rep, i)
+
+
 @pytest.mark.parametrize("page_size", [None, 16, 256])
 def test_long_decode_128k(page_size):
     """One sequence of ~128k keys, GQA 32/8, d = 128 (built on the GPU: a CPU randn of two

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 
@@ -59,7 +60,37 @@ bool capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+// Eager calls' arrival-counter buffers, per (device, stream); a buffer that grows is replaced
+// and the old one kept (work queued before may still use it; cudaFree would synchronise).
+struct CounterBuffer {
+  int* ints = nullptr;
+  int64_t count = 0;
+};
+
+int* stream_counters(int device, cudaStream_t stream, int64_t count) {
+  FLASH_EXT_CHECK(device >= 0 && device < kMaxDevices, "flash_ext: device index ", device, " out of range");
+  static std::mutex mutex;
+  static std::unordered_map<cudaStream_t, CounterBuffer> of_stream[kMaxDevices];
+  const std::lock_guard<std::mutex> lock(mutex);
+  CounterBuffer& b = of_stream[device][stream];
+  if (b.count < count) {
+    const int64_t grown = std::max<int64_t>(count, 2 * b.count);
+    C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.ints), grown * sizeof(int)));
+    C10_CUDA_CHECK(cudaMemsetAsync(b.ints, 0, grown * sizeof(int), stream));
+    b.count = grown;
+  }
+  return b.ints;
+}
+
 }  // namespace
+
+int* zeroed_counters(int64_t count, const at::TensorOptions& options, int device, cudaStream_t stream,
+                     at::Tensor& holder) {
+  if (!capturing(stream)) return stream_counters(device, stream, count);
+  holder = at::empty({count}, options.dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(holder.data_ptr<int>(), 0, count * sizeof(int), stream));
+  return holder.data_ptr<int>();
+}
 
 Sm90FwdBuffers allocate_sm90_fwd_buffers(const Sm90FwdConfig& c, FwdParams& p, const at::TensorOptions& options,
                                          int device, cudaStream_t stream) {

@@ -33,4 +33,12 @@ struct Sm90FwdBuffers {
 Sm90FwdBuffers allocate_sm90_fwd_buffers(const Sm90FwdConfig& c, FwdParams& p, const at::TensorOptions& options,
                                          int device, cudaStream_t stream);
 
+// Arrival counters that kernels leave at 0 (Flash-Decoding's split merge): `count` zeroed ints
+// for a call on `stream`. Eager calls share one buffer per (device, stream), zeroed once when
+// it is made or grown (held for the life of the process, like the tile counters); a call
+// captured in a CUDA graph gets its own from the graph's memory, with a captured memset, held by
+// `holder` until the launch is queued. `device` is current.
+int* zeroed_counters(int64_t count, const at::TensorOptions& options, int device, cudaStream_t stream,
+                     at::Tensor& holder);
+
 }  // namespace flash_ext

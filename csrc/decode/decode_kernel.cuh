@@ -6,8 +6,8 @@
 // per KV head, not once per query head (GQA packing by index: any seqlen_q, causal and local
 // windows keep working). The keys of the sequence are cut into num_splits equal runs of key
 // blocks, one per CTA, so that a batch with few KV heads still fills the GPU; each split writes
-// its normalized output and lse (fp32) and split_combine_kernel merges them by log-sum-exp. With
-// one split the CTA writes the output itself.
+// its normalized output and lse (fp32), and the split that finishes last merges them by
+// log-sum-exp (decode/split_merge.h). With one split the CTA writes the output itself.
 //
 // A CTA has 4 warps (2 at d = 256, whose blocks are 32 keys); each warp takes 16 keys of every
 // block with its own online softmax, and the warps merge once through shared memory at the end.
@@ -23,6 +23,7 @@
 #include "common/rotary.h"
 #include "common/softmax.h"
 #include "decode/decode_params.h"
+#include "decode/split_merge.h"
 #include "sm80/gemm.h"
 
 namespace flash_ext::decode {
@@ -374,126 +375,50 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kHeadDim <= 128 ? 3
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   const float lse = l > 0.f ? (m * scale_log2 + __log2f(l)) * float(M_LN2) : -INFINITY;
-  if (row >= rows) return;
+  const bool row_ok = row < rows;
   const int64_t lse_row = (int64_t(batch) * p.heads_q + row_head(row)) * p.seqlen_q + row_token(row);
-  // 8 columns at a time: this split's normalized output in fp32 (merged by split_combine_kernel)
-  // or, unsplit, the output itself.
+  // 8 columns at a time: this split's normalized output in fp32 (merged below by the split that
+  // finishes last: decode/split_merge.h) or, unsplit, the output itself.
   const bool split_out = p.num_splits > 1;
   const int64_t part_row = split * (int64_t(p.batch) * p.heads_q * p.seqlen_q) + lse_row;
   Element* dst = static_cast<Element*>(p.out) + batch * p.o_batch_stride + int64_t(row_token(row)) * p.o_row_stride +
                  int64_t(row_head(row)) * p.o_head_stride;
-  CUTE_UNROLL
-  for (int c = 0; c < kCols; c += 8) {
-    float o[8];
+  if (row_ok) {
     CUTE_UNROLL
-    for (int i = 0; i < 8; ++i) {
-      float acc = 0.f;
+    for (int c = 0; c < kCols; c += 8) {
+      float o[8];
       CUTE_UNROLL
-      for (int w = 0; w < kWarps; ++w) acc += weight[w] * o_s[(w * kBlockM + row) * kHeadDim + col0 + c + i];
-      o[i] = acc * inv;
-    }
-    if (split_out) {
-      float* part = p.o_partial + part_row * kHeadDim + col0 + c;
-      *reinterpret_cast<float4*>(part) = make_float4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<float4*>(part + 4) = make_float4(o[4], o[5], o[6], o[7]);
-    } else if (col0 + c < p.head_dim) {
-      uint4 packed;
-      Element* e = reinterpret_cast<Element*>(&packed);
-      CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) e[i] = Element(o[i]);
-      *reinterpret_cast<uint4*>(dst + col0 + c) = packed;
-    }
-  }
-  if (col0 == 0) {
-    if (split_out) {
-      p.lse_partial[part_row] = lse;
-    } else {
-      p.lse[lse_row] = lse;
-    }
-  }
-}
-
-// Merges the splits of every (batch, query head, token) row: one CTA per row. Its threads read
-// the splits' lse values (max, then weights into shared memory); then warp w adds the parts of
-// splits w, w + kCombineWarps, ..., each lane kCols adjacent columns with one vector load per
-// split, several splits in flight; the warps' sums meet in shared memory, added in warp order
-// (a fixed order: deterministic). A warp per row serialised one L2 round trip per few splits
-// (28 us for 49 splits of 32 rows on an H100: longer than the decode kernel itself).
-constexpr int kCombineWarps = 4;
-constexpr int kMaxSplits = 128;  // tuning/heuristics.cpp's cap
-static_assert(kMaxSplits <= 32 * kCombineWarps, "one thread per split reads its lse");
-
-template <int kHeadDim, typename Element>
-__global__ void __launch_bounds__(32 * kCombineWarps) split_combine_kernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kCols = kHeadDim / 32;  // adjacent columns per lane: 2, 4 or 8
-  static_assert(kCols == 2 || kCols == 4 || kCols == 8, "vector loads of 8, 16 or 2 x 16 bytes");
-  __shared__ float weights[kMaxSplits];
-  __shared__ float warp_max[kCombineWarps], warp_sum[kCombineWarps];
-  __shared__ float sums[kCombineWarps][kHeadDim];
-  const int64_t split_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t row = blockIdx.x;
-  const int splits = min(p.num_splits, kMaxSplits);
-
-  float m = tid < splits ? p.lse_partial[tid * split_rows + row] : -INFINITY;
-  float lse_max = m;
-  CUTE_UNROLL
-  for (int o = 16; o > 0; o /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, o));
-  if (lane == 0) warp_max[warp] = lse_max;
-  __syncthreads();
-  lse_max = warp_max[0];
-  CUTE_UNROLL
-  for (int w = 1; w < kCombineWarps; ++w) lse_max = fmaxf(lse_max, warp_max[w]);
-  const float wt = tid < splits ? combine::lse_part_weight(m, lse_max) : 0.f;
-  if (tid < splits) weights[tid] = wt;
-  float weight_sum = wt;
-  CUTE_UNROLL
-  for (int o = 16; o > 0; o /= 2) weight_sum += __shfl_xor_sync(0xffffffff, weight_sum, o);
-  if (lane == 0) warp_sum[warp] = weight_sum;
-  __syncthreads();
-
-  float acc[kCols];
-  CUTE_UNROLL
-  for (int j = 0; j < kCols; ++j) acc[j] = 0.f;
-  const float* part = p.o_partial + row * kHeadDim + lane * kCols;
-  const int64_t split_stride = split_rows * kHeadDim;
-#pragma unroll 4
-  for (int s = warp; s < splits; s += kCombineWarps) {
-    const float w = weights[s];  // 0 for an empty split, whose part is 0
-    float v[kCols];
-    CUTE_UNROLL
-    for (int j = 0; j < kCols; j += 4 < kCols ? 4 : kCols) {
-      if constexpr (kCols == 2) {
-        const float2 x = *reinterpret_cast<const float2*>(part + s * split_stride + j);
-        v[j] = x.x, v[j + 1] = x.y;
-      } else {
-        const float4 x = *reinterpret_cast<const float4*>(part + s * split_stride + j);
-        v[j] = x.x, v[j + 1] = x.y, v[j + 2] = x.z, v[j + 3] = x.w;
+      for (int i = 0; i < 8; ++i) {
+        float acc = 0.f;
+        CUTE_UNROLL
+        for (int w = 0; w < kWarps; ++w) acc += weight[w] * o_s[(w * kBlockM + row) * kHeadDim + col0 + c + i];
+        o[i] = acc * inv;
+      }
+      if (split_out) {
+        float* part = p.o_partial + part_row * kHeadDim + col0 + c;
+        *reinterpret_cast<float4*>(part) = make_float4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<float4*>(part + 4) = make_float4(o[4], o[5], o[6], o[7]);
+      } else if (col0 + c < p.head_dim) {
+        uint4 packed;
+        Element* e = reinterpret_cast<Element*>(&packed);
+        CUTE_UNROLL
+        for (int i = 0; i < 8; ++i) e[i] = Element(o[i]);
+        *reinterpret_cast<uint4*>(dst + col0 + c) = packed;
       }
     }
-    CUTE_UNROLL
-    for (int j = 0; j < kCols; ++j) acc[j] += w * v[j];
+    if (col0 == 0) {
+      if (split_out) {
+        p.lse_partial[part_row] = lse;
+      } else {
+        p.lse[lse_row] = lse;
+      }
+    }
   }
-  CUTE_UNROLL
-  for (int j = 0; j < kCols; ++j) sums[warp][lane * kCols + j] = acc[j];
-  __syncthreads();
-
-  float total = 0.f;
-  CUTE_UNROLL
-  for (int w = 0; w < kCombineWarps; ++w) total += warp_sum[w];
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  const int t = int(row % p.seqlen_q);
-  const int head = int((row / p.seqlen_q) % p.heads_q);
-  const int batch = int(row / (int64_t(p.seqlen_q) * p.heads_q));
-  Element* dst = static_cast<Element*>(p.out) + batch * p.o_batch_stride + int64_t(t) * p.o_row_stride +
-                 int64_t(head) * p.o_head_stride;
-  for (int col = tid; col < p.head_dim; col += 32 * kCombineWarps) {
-    float o = 0.f;
-    CUTE_UNROLL
-    for (int w = 0; w < kCombineWarps; ++w) o += sums[w][col];
-    dst[col] = Element(o * inv);
-  }
-  if (tid == 0) p.lse[row] = combine::merged_lse(lse_max, total);
+  if (!split_out) return;
+  const int tile = (batch * p.heads_kv + head_kv) * m_blocks + m_block;
+  if (!arrived_last(p, tile)) return;
+  if (row_ok) merge_row_splits<kHeadDim, kCols>(p, lse_row, dst, col0, col0 == 0);
+  if (tid == 0) p.split_arrivals[tile] = 0;  // every split of this tile has counted: ready for the next call
 }
 
 }  // namespace flash_ext::decode

@@ -1,6 +1,6 @@
-// Launch of the decode kernel (decode/decode_kernel.cuh) and, with more than one split, of the
-// combine kernel that merges the splits. The host (ops_kvcache.cpp) chose the splits and
-// allocated the partials.
+// Launch of the decode kernel (decode/decode_kernel.cuh; with more than one split, the last split
+// of each tile merges them). The host (ops_kvcache.cpp) chose the splits and set up the partials
+// and the arrival counters.
 #pragma once
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
@@ -25,10 +25,6 @@ void run_decode(const DecodeParams& p, cudaStream_t stream) {
   const int m_blocks = (p.packed_rows + kDecodeBlockM - 1) / kDecodeBlockM;
   const dim3 grid(m_blocks * p.num_splits, p.heads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
-  if (p.num_splits > 1) {
-    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // one CTA per row
-    decode::split_combine_kernel<kHeadDim, Element><<<unsigned(rows), 32 * decode::kCombineWarps, 0, stream>>>(p);
-  }
 }
 
 }  // namespace flash_ext

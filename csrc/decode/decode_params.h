@@ -66,13 +66,16 @@ struct DecodeParams {
   // on that side (causal: window_right = 0).
   int window_left = -1, window_right = -1;
 
-  // Split-KV: num_splits CTAs share each (sequence, KV head, row block); with more than one,
-  // each writes its normalized fp32 output and lse to the partials and a combine kernel merges
-  // them. o_partial (num_splits, batch, heads_q, seqlen_q, kernel head dim), lse_partial
-  // (num_splits, batch, heads_q, seqlen_q).
+  // Split-KV: num_splits CTAs share each (sequence, KV head, row block) tile; with more than
+  // one, each writes its normalized fp32 output and lse to the partials and counts itself in the
+  // tile's arrival counter, and the last to arrive merges them (decode/split_merge.h).
+  // o_partial (num_splits, batch, heads_q, seqlen_q, kernel head dim), lse_partial (num_splits,
+  // batch, heads_q, seqlen_q); split_arrivals (batch, heads_kv, row blocks), 0 before the launch
+  // and left at 0 by it.
   int num_splits = 1;
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
+  int* split_arrivals = nullptr;
 };
 
 // Rows of one decode tile (packed (token, query head) pairs) and blocks in the shared-memory
