@@ -267,9 +267,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   const c10::cuda::CUDAGuard guard(q.device());
   const DeviceInfo& dev = device_info(q.get_device());
   const int64_t m_blocks = (p.packed_rows + kDecodeBlockM - 1) / kDecodeBlockM;
-  const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(8, (dev.smem_optin_bytes + 1024) / (decode_smem_bytes(kd) + 1024)));
-  p.num_splits = choose_decode_splits(int(num_splits), batch * heads_kv * m_blocks, int64_t(dev.sms) * ctas_per_sm,
-                                      (c.capacity + decode_block_n(kd) - 1) / decode_block_n(kd));
+  const int64_t ctas_per_sm = std::max<int64_t>(
+      1, std::min<int64_t>(8, (dev.smem_optin_bytes + 1024) / (decode_smem_bytes(kd, kDecodeStagesShallow) + 1024)));
+  const bool deep_fits = dev.smem_optin_bytes >= decode_smem_bytes(kd, kDecodeStagesDeep);
+  const DecodeConfig config = choose_decode_config(
+      int(num_splits), batch * heads_kv * m_blocks, dev.sms, int64_t(dev.sms) * ctas_per_sm, deep_fits,
+      (c.capacity + decode_block_n(kd) - 1) / decode_block_n(kd), tuning_overrides().decode_ring);
+  p.num_splits = config.splits;
+  p.ring_stages = config.ring_stages;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
   at::Tensor partials, arrivals;  // alive until the launch is queued
   if (p.num_splits > 1) {

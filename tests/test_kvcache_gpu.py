@@ -140,23 +140,34 @@ def _grid_cases(n=40, seed=2026):
     return cases
 
 
+# The decode kernel's ring depth (FLASH_EXT_DECODE_RING): auto picks the deep ring for the
+# small grids of most tests here, so the shallow one is forced too.
+RINGS = ["auto", "2", "4"]
+
+
+@pytest.mark.parametrize("ring", ["auto", "2"])
 @pytest.mark.parametrize("case, num_splits", _grid_cases())
-def test_grid(case, num_splits):
+def test_grid(case, num_splits, ring, tuning):
+    tuning.set("FLASH_EXT_DECODE_RING", ring)
     run_and_check(make_case(**case), num_splits)
 
 
+@pytest.mark.parametrize("ring", RINGS)
 @pytest.mark.parametrize("num_splits", [1, 0, 7, 128])
-def test_num_splits_agree(num_splits):
+def test_num_splits_agree(num_splits, ring, tuning):
     """Every num_splits gives the reference's result (128 > key blocks: empty splits)."""
+    tuning.set("FLASH_EXT_DECODE_RING", ring)
     kw = make_case(b=2, sq=1, hq=32, hkv=8, d=128, capacity=4096, s_new=1, dtype=torch.bfloat16,
                    causal=True, seed=11)
     run_and_check(kw, num_splits)
 
 
-def test_split_merge_counters_reused_across_calls_and_streams():
+@pytest.mark.parametrize("ring", RINGS)
+def test_split_merge_counters_reused_across_calls_and_streams(ring, tuning):
     """The split that finishes last merges a tile's splits and leaves its arrival counter at 0:
     calls with more and then fewer tiles, forced split counts and two streams all give the first
     call's result, bit for bit, and that result is the reference's."""
+    tuning.set("FLASH_EXT_DECODE_RING", ring)
     shapes = [(1, 1, 5), (4, 3, 9), (2, 17, 3), (3, 1, 128)]  # (batch, seqlen_q, num_splits)
     cases = [_to_cuda(make_case(b=b, sq=sq, hq=8, hkv=2, d=128, capacity=1024, s_new=0,
                                 dtype=torch.bfloat16, causal=i % 2 == 0, seed=40 + i))

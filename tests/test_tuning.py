@@ -22,6 +22,7 @@ SWITCHES = {  # name -> (default, another allowed value)
     "FLASH_EXT_SM90_FWD_TILE": ("auto", "alt"),
     "FLASH_EXT_BWD_VARIANT": ("2", "1"),
     "FLASH_EXT_BWD_SMALL_TILE": ("0", "1"),
+    "FLASH_EXT_DECODE_RING": ("auto", "4"),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

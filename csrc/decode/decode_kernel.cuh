@@ -11,9 +11,10 @@
 //
 // A CTA has 4 warps (2 at d = 256, whose blocks are 32 keys); each warp takes 16 keys of every
 // block with its own online softmax, and the warps merge once through shared memory at the end.
-// Blocks stream through a ring of kStages (K, V) slots with cp.async, the next block in flight
-// while this one is computed; Q's fragments stay in registers up to d = 128. At d = 128 a CTA
-// takes 68 KB of shared memory: 3 CTAs per SM on an H100.
+// Blocks stream through a ring of kStages (K, V) slots with cp.async, kStages - 1 blocks in flight
+// while one is computed; Q's fragments stay in registers up to d = 128. The shallow ring (2) takes
+// 68 KB at d = 128: 3 CTAs per SM on an H100, for grids that fill the GPU; the deep one (4), 132
+// KB: one CTA per SM with 3 blocks in flight, for small grids (few sequences and KV heads).
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -32,7 +33,7 @@ using namespace cute;
 
 // The warps of a CTA split each key block (16 keys each) and keep their own softmax state,
 // merged once at the end; a ring of kStages blocks (K and V) in shared memory.
-template <int kHeadDim_, typename Element_>
+template <int kHeadDim_, typename Element_, int kStages_>
 struct DecodeTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -41,7 +42,9 @@ struct DecodeTraits {
   static constexpr int kWarps = kBlockN / 16;
   static constexpr int kNThreads = 32 * kWarps;
   static constexpr int kWarpKeys = kBlockN / kWarps;
-  static constexpr int kStages = kDecodeStages;
+  static constexpr int kStages = kStages_;
+  // CTAs per SM the registers must allow: as many as shared memory holds on an H100.
+  static constexpr int kMinBlocksPerSm = kStages > kDecodeStagesShallow ? 1 : (kHeadDim <= 128 ? 3 : 2);
   static_assert(kWarpKeys == 16, "one 16-key MMA tile per warp and block");
 
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
@@ -61,6 +64,8 @@ struct DecodeTraits {
   // Q | ring of kStages x (K, V); the end-of-loop merge reuses the ring (fp32 O, max, sum per warp).
   static constexpr int kSmemBytes = (kSmemQElems + kStages * 2 * kSmemKVElems) * int(sizeof(Element));
   static_assert(kWarps * kBlockM * (kHeadDim + 2) * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)));
+  static_assert(kBlockM * kDecodeMaxSplits * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)),
+                "the split merge's weights fit the ring");
 
   using S2RCopyQK = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using S2RCopyVt = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
@@ -95,10 +100,10 @@ __device__ __forceinline__ KeyRange visible_keys(const DecodeParams& p, int L, i
   return r;
 }
 
-// As many CTAs per SM as shared memory allows (3 at d <= 128 on an H100): registers must not be
-// the tighter limit.
+// As many CTAs per SM as shared memory allows (shallow ring: 3 at d <= 128 on an H100):
+// registers must not be the tighter limit.
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, Traits::kHeadDim <= 128 ? 3 : 2)
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     decode_kernel(const __grid_constant__ DecodeParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -417,7 +422,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kHeadDim <= 128 ? 3
   if (!split_out) return;
   const int tile = (batch * p.heads_kv + head_kv) * m_blocks + m_block;
   if (!arrived_last(p, tile)) return;
-  if (row_ok) merge_row_splits<kHeadDim, kCols>(p, lse_row, dst, col0, col0 == 0);
+  auto merged_lse_row = [&](int r) {
+    return (int64_t(batch) * p.heads_q + row_head(r)) * p.seqlen_q + row_token(r);
+  };
+  auto out_row = [&](int r) {
+    return static_cast<Element*>(p.out) + batch * p.o_batch_stride + int64_t(row_token(r)) * p.o_row_stride +
+           int64_t(row_head(r)) * p.o_head_stride;
+  };
+  // The warps' merge area of the ring is free again: the weights go there.
+  merge_tile_splits<kHeadDim, Element>(p, rows, merged_lse_row, out_row, merge, Traits::kNThreads);
   if (tid == 0) p.split_arrivals[tile] = 0;  // every split of this tile has counted: ready for the next call
 }
 

@@ -11,12 +11,10 @@
 
 namespace flash_ext {
 
-template <int kHeadDim, bool kIsBf16>
-void run_decode(const DecodeParams& p, cudaStream_t stream) {
-  using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
-  using Traits = decode::DecodeTraits<kHeadDim, Element>;
-  static_assert(Traits::kSmemBytes == decode_smem_bytes(kHeadDim), "decode_params.h's smem size is the kernel's");
-  if (p.batch == 0 || p.packed_rows == 0) return;
+template <int kHeadDim, typename Element, int kStages>
+void launch_decode(const DecodeParams& p, cudaStream_t stream) {
+  using Traits = decode::DecodeTraits<kHeadDim, Element, kStages>;
+  static_assert(Traits::kSmemBytes == decode_smem_bytes(kHeadDim, kStages), "decode_params.h's smem size is the kernel's");
   auto kernel = &decode::decode_kernel<Traits>;
   constexpr int smem = Traits::kSmemBytes;
   if constexpr (smem > 48 * 1024) {
@@ -25,6 +23,17 @@ void run_decode(const DecodeParams& p, cudaStream_t stream) {
   const int m_blocks = (p.packed_rows + kDecodeBlockM - 1) / kDecodeBlockM;
   const dim3 grid(m_blocks * p.num_splits, p.heads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
+}
+
+template <int kHeadDim, bool kIsBf16>
+void run_decode(const DecodeParams& p, cudaStream_t stream) {
+  using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
+  if (p.batch == 0 || p.packed_rows == 0) return;
+  if (p.ring_stages == kDecodeStagesDeep) {
+    launch_decode<kHeadDim, Element, kDecodeStagesDeep>(p, stream);
+  } else {
+    launch_decode<kHeadDim, Element, kDecodeStagesShallow>(p, stream);
+  }
 }
 
 }  // namespace flash_ext

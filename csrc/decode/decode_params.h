@@ -76,19 +76,27 @@ struct DecodeParams {
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
   int* split_arrivals = nullptr;
+
+  // Depth of the kernel's shared-memory ring of key blocks: kDecodeStagesShallow (several CTAs
+  // per SM, for grids that fill the GPU) or kDecodeStagesDeep (one CTA per SM with more blocks
+  // in flight, for small grids), chosen by tuning/heuristics.cpp.
+  int ring_stages = 2;
 };
 
-// Rows of one decode tile (packed (token, query head) pairs) and blocks in the shared-memory
+// Rows of one decode tile (packed (token, query head) pairs) and the depths of the shared-memory
 // ring; keys per block by kernel head dim kd: 64 (4 warps of 16 keys), 32 at kd = 256 (2 warps),
-// so that the ring fits the 99 KB of sm86 / sm89.
+// so that the shallow ring fits the 99 KB of sm86 / sm89.
 constexpr int kDecodeBlockM = 16;
-constexpr int kDecodeStages = 2;
+constexpr int kDecodeStagesShallow = 2;
+constexpr int kDecodeStagesDeep = 4;
+constexpr int kDecodeMaxSplits = 128;
 constexpr int decode_block_n(int kd) { return kd > 128 ? 32 : 64; }
 
-// Shared memory of the decode kernel of kernel head dim kd (2-byte elements): Q (16 x kd) and the
-// ring of K and V blocks; checked against the kernel's traits where it is compiled.
-constexpr int decode_smem_bytes(int kd) {
-  return (kDecodeBlockM + kDecodeStages * 2 * decode_block_n(kd)) * kd * 2;
+// Shared memory of the decode kernel of kernel head dim kd (2-byte elements) with a ring of
+// `stages` blocks: Q (16 x kd) and the ring of K and V blocks; checked against the kernel's traits
+// where it is compiled.
+constexpr int decode_smem_bytes(int kd, int stages) {
+  return (kDecodeBlockM + stages * 2 * decode_block_n(kd)) * kd * 2;
 }
 
 }  // namespace flash_ext

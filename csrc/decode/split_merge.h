@@ -4,7 +4,8 @@
 //
 // Each split writes its rows' normalized fp32 output and lse to the partials (DecodeParams), then
 // counts itself in the tile's arrival counter; the CTA that makes the count num_splits merges, by
-// log-sum-exp (common/combine.h), and sets the counter back to 0 for the next call. The partials
+// log-sum-exp (common/combine.h), with all its threads (a tile has few valid rows: 4 at GQA 32/8
+// and one token), and sets the counter back to 0 for the next call. The partials
 // are read through L2 only (ld.global.cg): another SM wrote them during this launch, and this SM's
 // L1 may hold an older copy of their lines. Splits are added in split order: the result does not
 // depend on which split finished last.
@@ -28,48 +29,59 @@ __device__ __forceinline__ bool arrived_last(const DecodeParams& p, int tile) {
   return last;
 }
 
-// The merged output of one (batch, query head, token) row, kCols adjacent columns from col0, to
-// dst (kernel head dim kHeadDim; columns past p.head_dim are not written), and its lse when
-// write_lse. Rows no split saw a key of get 0 and lse -inf.
-template <int kHeadDim, int kCols, typename Element>
-__device__ __forceinline__ void merge_row_splits(const DecodeParams& p, int64_t lse_row, Element* dst, int col0,
-                                                 bool write_lse) {
-  static_assert(kCols % 8 == 0, "whole 16-byte output vectors");
-  const int64_t split_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+// Merges the splits of a tile's `rows` rows (all threads of the CTA call it, nthreads of them):
+// row r's lse index is lse_row(r) and its output row starts at out_row(r). First every (row,
+// split) lse in one round of loads into `weights` (shared, rows x num_splits floats), turned into
+// weights by the row's max and normalized by their sum; then each thread takes (row, 4 columns)
+// items and adds the splits' parts, several splits' loads in flight. Rows no split saw a key get
+// 0 and lse -inf.
+template <int kHeadDim, typename Element, typename LseRow, typename OutRow>
+__device__ __forceinline__ void merge_tile_splits(const DecodeParams& p, int rows, LseRow lse_row, OutRow out_row,
+                                                  float* weights, int nthreads) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int splits = p.num_splits;
-  const float* lse_part = p.lse_partial + lse_row;
-  float lse_max = -INFINITY;
-#pragma unroll 8
-  for (int s = 0; s < splits; ++s) lse_max = fmaxf(lse_max, __ldcg(lse_part + s * split_rows));
-
-  float acc[kCols];
+  const int64_t split_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  for (int i = tid; i < rows * splits; i += nthreads) {
+    const int r = i / splits, s = i % splits;
+    weights[i] = __ldcg(p.lse_partial + s * split_rows + lse_row(r));
+  }
+  __syncthreads();
+  // A warp per row: max, weights, their sum; the row's lse; the weights divided by the sum.
+  for (int r = warp; r < rows; r += nthreads / 32) {
+    float* w = weights + r * splits;
+    float lse_max = -INFINITY;
+    for (int s = lane; s < splits; s += 32) lse_max = fmaxf(lse_max, w[s]);
 #pragma unroll
-  for (int j = 0; j < kCols; ++j) acc[j] = 0.f;
-  float weight_sum = 0.f;
-  const float* part = p.o_partial + lse_row * kHeadDim + col0;
-  const int64_t split_stride = split_rows * kHeadDim;
-#pragma unroll(kCols > 16 ? 1 : 4)
-  for (int s = 0; s < splits; ++s) {
-    const float w = combine::lse_part_weight(__ldcg(lse_part + s * split_rows), lse_max);  // 0: empty split
-    weight_sum += w;
-    const float4* x = reinterpret_cast<const float4*>(part + s * split_stride);
-#pragma unroll
-    for (int j = 0; j < kCols / 4; ++j) {
-      const float4 v = __ldcg(x + j);
-      acc[4 * j] += w * v.x, acc[4 * j + 1] += w * v.y, acc[4 * j + 2] += w * v.z, acc[4 * j + 3] += w * v.w;
+    for (int o = 16; o > 0; o /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, o));
+    float sum = 0.f;
+    for (int s = lane; s < splits; s += 32) {
+      w[s] = combine::lse_part_weight(w[s], lse_max);  // 0 for an empty split
+      sum += w[s];
     }
-  }
-  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
 #pragma unroll
-  for (int c = 0; c < kCols; c += 8) {
-    if (col0 + c >= p.head_dim) break;
-    uint4 packed;
-    Element* e = reinterpret_cast<Element*>(&packed);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) e[i] = Element(acc[c + i] * inv);
-    *reinterpret_cast<uint4*>(dst + col0 + c) = packed;
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int s = lane; s < splits; s += 32) w[s] *= inv;
+    if (lane == 0) p.lse[lse_row(r)] = combine::merged_lse(lse_max, sum);
   }
-  if (write_lse) p.lse[lse_row] = combine::merged_lse(lse_max, weight_sum);
+  __syncthreads();
+  constexpr int kQuads = kHeadDim / 4;
+  const int64_t split_stride = split_rows * kHeadDim;
+  for (int i = tid; i < rows * kQuads; i += nthreads) {
+    const int r = i / kQuads, col = (i % kQuads) * 4;
+    if (col >= p.head_dim) continue;
+    const float* w = weights + r * splits;
+    const float4* part = reinterpret_cast<const float4*>(p.o_partial + lse_row(r) * kHeadDim + col);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) {
+      const float4 v = __ldcg(part + s * (split_stride / 4));
+      const float ws = w[s];
+      acc.x += ws * v.x, acc.y += ws * v.y, acc.z += ws * v.z, acc.w += ws * v.w;
+    }
+    Element e[4] = {Element(acc.x), Element(acc.y), Element(acc.z), Element(acc.w)};
+    *reinterpret_cast<uint2*>(out_row(r) + col) = *reinterpret_cast<const uint2*>(e);
+  }
 }
 
 }  // namespace flash_ext::decode

@@ -7,8 +7,8 @@
 
 namespace flash_ext {
 
-// Split-KV decode (decode/decode_kernel.cuh), sm80+; the combine kernel too when
-// p.num_splits > 1 (p.o_partial / p.lse_partial allocated by the caller).
+// Split-KV decode (decode/decode_kernel.cuh), sm80+, with the ring p.ring_stages deep; with
+// p.num_splits > 1 the caller set up p.o_partial / p.lse_partial / p.split_arrivals.
 template <int kHeadDim, bool kIsBf16>
 void run_decode(const DecodeParams& p, cudaStream_t stream);
 

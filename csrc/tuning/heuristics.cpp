@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "decode/decode_params.h"
+
 namespace flash_ext {
 namespace {
 
@@ -184,13 +186,28 @@ BwdTile bwd_sm80_pick_tile(int kernel_head_dim) {
   return choose_bwd_sm80_tile(kernel_head_dim, current_device_info(), tuning_overrides());
 }
 
-int choose_decode_splits(int requested, int64_t units, int64_t slots, int64_t key_blocks) {
-  constexpr int64_t kMaxSplits = 128;
-  if (requested > 0) return int(std::min<int64_t>(requested, kMaxSplits));
-  if (units <= 0 || units * 5 >= slots * 4) return 1;  // the grid fills >= 80% of the GPU already
-  const int64_t by_slots = slots / units;
-  const int64_t by_length = std::max<int64_t>(1, key_blocks / 2);
-  return int(std::max<int64_t>(1, std::min({by_slots, by_length, kMaxSplits})));
+DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, bool deep_fits,
+                                  int64_t key_blocks, int ring_override) {
+  DecodeConfig c;
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kDecodeMaxSplits, key_blocks / 4));
+  // The deep ring for grids of at most one CTA per SM: few sequences x KV heads.
+  const bool deep = deep_fits && (ring_override == kDecodeStagesDeep ||
+                                  (ring_override == 0 && units > 0 && 2 * units <= sms));
+  c.ring_stages = deep ? kDecodeStagesDeep : kDecodeStagesShallow;
+  if (requested > 0) {
+    c.splits = std::min(requested, kDecodeMaxSplits);
+  } else if (units <= 0) {
+    c.splits = 1;
+  } else if (deep) {
+    c.splits = int(std::clamp<int64_t>((sms + units / 2) / units, 1, max_splits));  // ~one CTA per SM
+  } else if (units < 2 * int64_t(sms)) {
+    c.splits = int(std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits));  // ~two per SM
+  } else {
+    // Whole waves already: two splits only where they fill the last wave much better.
+    auto filled = [&](int64_t ctas) { return double(ctas) / double((ctas + shallow_slots - 1) / shallow_slots * shallow_slots); };
+    c.splits = max_splits >= 8 && filled(2 * units) > filled(units) + 0.1 ? 2 : 1;
+  }
+  return c;
 }
 
 }  // namespace flash_ext

@@ -103,12 +103,21 @@ BwdTile choose_bwd_sm80_tile(int kernel_head_dim, const DeviceInfo& dev, const T
 // The same on the current device with the overrides in force (the launcher's entry point).
 BwdTile bwd_sm80_pick_tile(int kernel_head_dim);
 
-// Flash-Decoding's splits of the keys (docs/design-flash-decoding.md 2.1). units: the CTAs
-// without splitting (batch x KV heads x row blocks); slots: CTAs the GPU holds at once (SMs x
-// CTAs per SM); key_blocks: 64-key blocks of the cache's capacity (never device values: no sync,
-// and a captured graph stays valid as the cache fills). requested > 0 forces that many (at most
-// 128). Otherwise one wave: as many splits as fill the slots, each at least 2 key blocks long
-// (H100 sweep, docs/perf-notes.md: at 1 x 8k keys more, shorter splits won up to 128).
-int choose_decode_splits(int requested, int64_t units, int64_t slots, int64_t key_blocks);
+// Flash-Decoding's launch (docs/design-flash-decoding.md 2.1): how many splits of the keys, and
+// the ring's depth (decode/decode_params.h).
+struct DecodeConfig {
+  int splits = 1;
+  int ring_stages = 2;
+};
+
+// units: the CTAs without splitting (batch x KV heads x row blocks); shallow_slots: CTAs of the
+// shallow ring the GPU holds at once (SMs x CTAs per SM); deep_fits: the deep ring fits one SM's
+// shared memory; key_blocks: key blocks of the cache's capacity (never device values: no sync,
+// and a captured graph stays valid as the cache fills). requested > 0 forces that many splits (at
+// most kDecodeMaxSplits); ring_override 2 or 4 forces the depth (0: chosen). H100 sweep
+// (docs/perf-notes.md): grids of about two CTAs per SM with >= 4 blocks per split were best; at
+// two waves or more, a second split only where it evens out the last wave.
+DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, bool deep_fits,
+                                  int64_t key_blocks, int ring_override);
 
 }  // namespace flash_ext

@@ -14,7 +14,17 @@
 namespace flash_ext {
 namespace {
 
-enum Switch { kFwdPath, kBwdPath, kSm90Pingpong, kSm90StreamK, kSm90FwdTile, kBwdVariant, kBwdSmallTile, kSwitches };
+enum Switch {
+  kFwdPath,
+  kBwdPath,
+  kSm90Pingpong,
+  kSm90StreamK,
+  kSm90FwdTile,
+  kBwdVariant,
+  kBwdSmallTile,
+  kDecodeRing,
+  kSwitches
+};
 
 struct SwitchSpec {
   const char* name;
@@ -30,6 +40,7 @@ constexpr SwitchSpec kSpecs[kSwitches] = {
     {"FLASH_EXT_SM90_FWD_TILE", {"auto", "base", "alt", nullptr}},
     {"FLASH_EXT_BWD_VARIANT", {"2", "1", nullptr, nullptr}},
     {"FLASH_EXT_BWD_SMALL_TILE", {"0", "1", nullptr, nullptr}},
+    {"FLASH_EXT_DECODE_RING", {"auto", "2", "4", nullptr}},
 };
 
 // The index of `value` among the switch's spellings ("" = the default); raises on others.
@@ -93,6 +104,7 @@ TuningOverrides tuning_overrides() {
   o.sm90_fwd_tile = tristate_of(at(kSm90FwdTile));
   o.bwd_variant = at(kBwdVariant) == 1 ? 1 : 2;
   o.bwd_small_tile = at(kBwdSmallTile) == 1;
+  o.decode_ring = at(kDecodeRing) == 1 ? 2 : at(kDecodeRing) == 2 ? 4 : 0;
   return o;
 }
 

@@ -28,6 +28,9 @@ struct TuningOverrides {
   int bwd_variant = 2;
   // FLASH_EXT_BWD_SMALL_TILE = 0 | 1: the sm80 backward's 99 KB tiles (sm86/sm89) on any device.
   bool bwd_small_tile = false;
+  // FLASH_EXT_DECODE_RING = auto | 2 | 4: the decode kernel's ring depth (0 auto; 4 only where
+  // it fits the device's shared memory).
+  int decode_ring = 0;
 };
 
 // The overrides in force now (the environment's, as changed by set_tuning). Cheap: a few
