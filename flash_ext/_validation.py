@@ -830,6 +830,8 @@ def check_pad_inputs(hidden_states, indices, batch, seqlen) -> None:
 # ----------------------------------------------------------------------------------------------
 
 KVCACHE_PAGE_MULTIPLE = 16  # page sizes of a paged cache: multiples of this many tokens
+# Head dims the KV-cache ops take (16-byte rows); flash_attn_with_kvcache pads the others.
+KVCACHE_HEADDIM_MULTIPLE = 8
 MAX_NUM_SPLITS = 128  # num_splits above this are capped by the op
 
 
@@ -900,9 +902,12 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
     """The structural checks of one flash_attn_with_kvcache call (no tensor values read, so no
     host sync; design 3.4), in order: devices, dtypes, shapes of q and the caches, paging, new
     k/v, cache_seqlens (an int's value included), the index tensors, rotary, ALiBi, scalars,
-    the caches' alignment. Returns ``(capacity, seqlen_new)``: the tokens a sequence's cache
-    can hold (``s_cache``, or ``max_pages * page_size``) and the new tokens per sequence (0
-    without k/v). The value checks are :func:`check_kvcache_values`."""
+    the caches' alignment (only for a head dim that is a multiple of 8: any other head dim up
+    to 256 is accepted, and the caller then works on padded copies of the caches). Returns
+    ``(capacity, seqlen_new)``: the tokens a sequence's cache can hold (``s_cache``, or
+    ``max_pages * page_size``) and the new tokens per sequence (0 without k/v). The value checks
+    are :func:`check_kvcache_values`. Every check reads the caller's tensors as given, so a
+    head-dim mismatch is caught before any padding could hide it."""
     fn = "flash_attn_with_kvcache"
     name = _kv_name(fn)
     seqlens_is_tensor = isinstance(cache_seqlens, torch.Tensor)
@@ -953,10 +958,6 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
             f"{_shape(k_cache)}")
     if d < 1 or d > MAX_HEADDIM:
         raise FlashExtValueError(f"{name}: head dim must be between 1 and {MAX_HEADDIM}; got {d}")
-    if d % 8 != 0:
-        raise FlashExtNotImplementedError(
-            f"{name}: the head dim must be a multiple of 8 (the caches are used in place, so "
-            f"they cannot be padded without copying them); got {d}")
     if hq < 1 or hkv < 1 or hq % hkv != 0:
         raise FlashExtValueError(
             f"{name}: the number of query heads ({hq}) must be a positive multiple of the "
@@ -1070,9 +1071,11 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
             f"{name}: num_splits must be >= 0 (0 = automatic, 1 = no split, N = N splits); got "
             f"{num_splits}")
 
-    # Last (reads strides and offsets): the caches are used in place
-    _check_cache_rows_aligned(fn, "k_cache", k_cache)
-    _check_cache_rows_aligned(fn, "v_cache", v_cache)
+    # Last (reads strides and offsets): the caches are used in place, unless the head dim is
+    # not a multiple of 8: then flash_attn_with_kvcache works on padded copies of them.
+    if d % KVCACHE_HEADDIM_MULTIPLE == 0:
+        _check_cache_rows_aligned(fn, "k_cache", k_cache)
+        _check_cache_rows_aligned(fn, "v_cache", v_cache)
     return capacity, seqlen_new
 
 
