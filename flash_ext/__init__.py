@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_ext import _validation
+from flash_ext import forward_only
 from flash_ext import ops
 from flash_ext import reference
 from flash_ext.errors import (DeviceError, FlashExtError, FlashExtNotImplementedError,
@@ -275,7 +276,18 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
                    dropout_p: float, rng_state, seqused_k=None, alibi_slopes=None):
     """attn_fwd after the checks: (out, lse). Differentiable through flash_ext::fwd's autograd
     formula, which reads `deterministic` from the op's arguments. seqused_k goes to the ops by
-    keyword, and only when given (so that calls without it make the same op call as before)."""
+    keyword, and only when given (so that calls without it make the same op call as before).
+
+    seqused_k has no backward: with inputs that require grad, the forward runs without
+    recording (this function again, under no_grad) and out gets a node whose backward raises
+    (flash_ext/forward_only.py)."""
+    if seqused_k is not None and forward_only.needs_node(q, k, v):
+        with torch.no_grad():
+            o, lse = _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap,
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    deterministic, out, varlen, dropout_p, rng_state, seqused_k,
+                                    alibi_slopes)
+        return forward_only.attach(o, q, k, v), lse
     d = q.shape[-1]
     args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
     extra = {}

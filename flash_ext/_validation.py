@@ -97,7 +97,6 @@ __all__ = [
     "check_block_table",
     "check_seqused_k",
     "check_seqused_k_values",
-    "check_forward_only",
     "check_paged_varlen_inputs",
     "check_paged_varlen_values",
     "CHECK_FLASHMASK_VALUES",
@@ -349,18 +348,6 @@ def check_seqused_k_values(seqused_k: torch.Tensor, cu_seqlens_k: torch.Tensor) 
             f"cu_seqlens_k {cu_seqlens_k.tolist()}")
 
 
-FORWARD_ONLY = ("flash_ext: seqused_k / block_table: forward only (no backward), and q, k or v "
-                "requires grad. Call it under torch.no_grad() or with inputs that do not require "
-                "grad (detach them).")
-
-
-def check_forward_only(q, k, v) -> None:
-    """seqused_k and block_table have no backward: refuse a call autograd would record
-    (FlashExtNotImplementedError), before anything runs."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise FlashExtNotImplementedError(FORWARD_ONLY)
-
-
 # ----------------------------------------------------------------------------------------------
 # Scalars
 # ----------------------------------------------------------------------------------------------
@@ -582,7 +569,6 @@ def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] 
         check_alibi_slopes("flash_ext", alibi_slopes, q, batch, q.shape[-2], dropout_p)
     if seqused_k is not None:
         check_seqused_k(seqused_k, varlen, cu_seqlens_k)
-        check_forward_only(q, k, v)
         if should_check_values(seqused_k) and not _values_checked_before(
                 "seqused_k", (seqused_k, cu_seqlens_k), ()):
             check_seqused_k_values(seqused_k, cu_seqlens_k)
@@ -1209,7 +1195,7 @@ def check_paged_varlen_inputs(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_
     nheads_k, headdim) read through block_table (batch, max_pages_per_seq): attn_fwd's checks
     as they apply to q, the caches and the scalars; block_table as flash_attn_with_kvcache checks
     it, but with any page size >= 1; seqused_k int32 (batch,); max_seqlen_k at most the capacity
-    max_pages_per_seq * page_size; forward only. Then the value checks, under the cu_seqlens
+    max_pages_per_seq * page_size. Then the value checks, under the cu_seqlens
     policy (module docstring): cu_seqlens_q as attn_fwd checks it, and
     :func:`check_paged_varlen_values`."""
     name = _kv_name(fn)
@@ -1248,7 +1234,6 @@ def check_paged_varlen_inputs(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_
     check_softmax_scale(softmax_scale)
     check_softcap(softcap)
     check_window_size(window_size)
-    check_forward_only(q, k_cache, v_cache)
     total_q = q.shape[0]
     if should_check_values(cu_seqlens_q) and not _checked_before(cu_seqlens_q, total_q,
                                                                   max_seqlen_q):
