@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from flash_ext import _validation
-from flash_ext import forward_only
 from flash_ext import ops
+from flash_ext import forward_only  # after ops: defines an op in the namespace _C defines
 from flash_ext import reference
 from flash_ext.errors import (DeviceError, FlashExtError, FlashExtNotImplementedError,
                               FlashExtTypeError, FlashExtValueError)
