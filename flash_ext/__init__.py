@@ -8,7 +8,7 @@ or bfloat16 CUDA tensors; or varlen q (total_q, nheads_q, headdim) with cu_seqle
 attn_fwd and the FlashAttention-2-compatible functions (flash_attn_func,
 flash_attn_varlen_func, ...) are differentiable: autograd (eager or torch.compile) runs the
 backward kernel; attn_bwd calls it explicitly. flash_attn_with_kvcache (FlashAttention-2's
-KV-cache function: append, rotary, paged caches, ALiBi; forward only) is for decoding.
+KV-cache function: append, rotary, paged caches, ALiBi; no gradients) is for decoding.
 
 flashmask_attention / flashmask_attention_varlen: attention with FlashMask's column-wise
 sparse masks (int32 row bounds per key column; builders of the common masks in
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from flash_ext import _validation
 from flash_ext import ops
+from flash_ext import forward_only  # after ops: defines an op in the namespace _C defines
 from flash_ext import reference
 from flash_ext.errors import (DeviceError, FlashExtError, FlashExtNotImplementedError,
                               FlashExtTypeError, FlashExtValueError)
@@ -213,8 +214,10 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             sequence b uses only its first seqused_k[b] keys of [cu_seqlens_k[b],
             cu_seqlens_k[b+1]), 0 <= seqused_k[b] <= that length; causal and local windows align
             bottom-right to the used length. The other keys are never read into the result (any
-            values, NaN included). Forward only: raises FlashExtNotImplementedError when q, k
-            or v requires grad (with grad mode on). Such calls run the sm80 kernel on every GPU
+            values, NaN included). No backward: when q, k or v requires grad (grad mode on)
+            the forward runs and returns the same out, whose backward raises
+            FlashExtNotImplementedError (flash_ext/forward_only.py). Such calls run the sm80
+            kernel on every GPU
             (the Hopper kernel's tensor maps would read the unused keys). Its values are checked
             under the cu_seqlens policy (flash_ext/_validation.py). Works with dropout.
         alibi_slopes: float32 (nheads_q,) or (batch, nheads_q) on q's device (FlashAttention-2's
@@ -275,7 +278,18 @@ def _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap, cu_seql
                    dropout_p: float, rng_state, seqused_k=None, alibi_slopes=None):
     """attn_fwd after the checks: (out, lse). Differentiable through flash_ext::fwd's autograd
     formula, which reads `deterministic` from the op's arguments. seqused_k goes to the ops by
-    keyword, and only when given (so that calls without it make the same op call as before)."""
+    keyword, and only when given (so that calls without it make the same op call as before).
+
+    seqused_k has no backward: with inputs that require grad, the forward runs without
+    recording (this function again, under no_grad) and out gets a node whose backward raises
+    (flash_ext/forward_only.py)."""
+    if seqused_k is not None and forward_only.needs_node(q, k, v):
+        with torch.no_grad():
+            o, lse = _attn_fwd_impl(q, k, v, softmax_scale, causal, window_size, softcap,
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    deterministic, out, varlen, dropout_p, rng_state, seqused_k,
+                                    alibi_slopes)
+        return forward_only.attach(o, q, k, v), lse
     d = q.shape[-1]
     args = _scalar_args(d, softmax_scale, causal, window_size, softcap)
     extra = {}

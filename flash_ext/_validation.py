@@ -97,7 +97,6 @@ __all__ = [
     "check_block_table",
     "check_seqused_k",
     "check_seqused_k_values",
-    "check_forward_only",
     "check_paged_varlen_inputs",
     "check_paged_varlen_values",
     "CHECK_FLASHMASK_VALUES",
@@ -349,18 +348,6 @@ def check_seqused_k_values(seqused_k: torch.Tensor, cu_seqlens_k: torch.Tensor) 
             f"cu_seqlens_k {cu_seqlens_k.tolist()}")
 
 
-FORWARD_ONLY = ("flash_ext: seqused_k / block_table: forward only (no backward), and q, k or v "
-                "requires grad. Call it under torch.no_grad() or with inputs that do not require "
-                "grad (detach them).")
-
-
-def check_forward_only(q, k, v) -> None:
-    """seqused_k and block_table have no backward: refuse a call autograd would record
-    (FlashExtNotImplementedError), before anything runs."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise FlashExtNotImplementedError(FORWARD_ONLY)
-
-
 # ----------------------------------------------------------------------------------------------
 # Scalars
 # ----------------------------------------------------------------------------------------------
@@ -582,7 +569,6 @@ def check_fwd_inputs(q, k, v, *, softmax_scale=None, window_size: Sequence[int] 
         check_alibi_slopes("flash_ext", alibi_slopes, q, batch, q.shape[-2], dropout_p)
     if seqused_k is not None:
         check_seqused_k(seqused_k, varlen, cu_seqlens_k)
-        check_forward_only(q, k, v)
         if should_check_values(seqused_k) and not _values_checked_before(
                 "seqused_k", (seqused_k, cu_seqlens_k), ()):
             check_seqused_k_values(seqused_k, cu_seqlens_k)
@@ -830,6 +816,8 @@ def check_pad_inputs(hidden_states, indices, batch, seqlen) -> None:
 # ----------------------------------------------------------------------------------------------
 
 KVCACHE_PAGE_MULTIPLE = 16  # page sizes of a paged cache: multiples of this many tokens
+# Head dims the KV-cache ops take (16-byte rows); flash_attn_with_kvcache pads the others.
+KVCACHE_HEADDIM_MULTIPLE = 8
 MAX_NUM_SPLITS = 128  # num_splits above this are capped by the op
 
 
@@ -900,9 +888,12 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
     """The structural checks of one flash_attn_with_kvcache call (no tensor values read, so no
     host sync; design 3.4), in order: devices, dtypes, shapes of q and the caches, paging, new
     k/v, cache_seqlens (an int's value included), the index tensors, rotary, ALiBi, scalars,
-    the caches' alignment. Returns ``(capacity, seqlen_new)``: the tokens a sequence's cache
-    can hold (``s_cache``, or ``max_pages * page_size``) and the new tokens per sequence (0
-    without k/v). The value checks are :func:`check_kvcache_values`."""
+    the caches' alignment (only for a head dim that is a multiple of 8: any other head dim up
+    to 256 is accepted, and the caller then works on padded copies of the caches). Returns
+    ``(capacity, seqlen_new)``: the tokens a sequence's cache can hold (``s_cache``, or
+    ``max_pages * page_size``) and the new tokens per sequence (0 without k/v). The value checks
+    are :func:`check_kvcache_values`. Every check reads the caller's tensors as given, so a
+    head-dim mismatch is caught before any padding could hide it."""
     fn = "flash_attn_with_kvcache"
     name = _kv_name(fn)
     seqlens_is_tensor = isinstance(cache_seqlens, torch.Tensor)
@@ -953,10 +944,6 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
             f"{_shape(k_cache)}")
     if d < 1 or d > MAX_HEADDIM:
         raise FlashExtValueError(f"{name}: head dim must be between 1 and {MAX_HEADDIM}; got {d}")
-    if d % 8 != 0:
-        raise FlashExtNotImplementedError(
-            f"{name}: the head dim must be a multiple of 8 (the caches are used in place, so "
-            f"they cannot be padded without copying them); got {d}")
     if hq < 1 or hkv < 1 or hq % hkv != 0:
         raise FlashExtValueError(
             f"{name}: the number of query heads ({hq}) must be a positive multiple of the "
@@ -1070,9 +1057,11 @@ def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
             f"{name}: num_splits must be >= 0 (0 = automatic, 1 = no split, N = N splits); got "
             f"{num_splits}")
 
-    # Last (reads strides and offsets): the caches are used in place
-    _check_cache_rows_aligned(fn, "k_cache", k_cache)
-    _check_cache_rows_aligned(fn, "v_cache", v_cache)
+    # Last (reads strides and offsets): the caches are used in place, unless the head dim is
+    # not a multiple of 8: then flash_attn_with_kvcache works on padded copies of them.
+    if d % KVCACHE_HEADDIM_MULTIPLE == 0:
+        _check_cache_rows_aligned(fn, "k_cache", k_cache)
+        _check_cache_rows_aligned(fn, "v_cache", v_cache)
     return capacity, seqlen_new
 
 
@@ -1206,7 +1195,7 @@ def check_paged_varlen_inputs(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_
     nheads_k, headdim) read through block_table (batch, max_pages_per_seq): attn_fwd's checks
     as they apply to q, the caches and the scalars; block_table as flash_attn_with_kvcache checks
     it, but with any page size >= 1; seqused_k int32 (batch,); max_seqlen_k at most the capacity
-    max_pages_per_seq * page_size; forward only. Then the value checks, under the cu_seqlens
+    max_pages_per_seq * page_size. Then the value checks, under the cu_seqlens
     policy (module docstring): cu_seqlens_q as attn_fwd checks it, and
     :func:`check_paged_varlen_values`."""
     name = _kv_name(fn)
@@ -1245,7 +1234,6 @@ def check_paged_varlen_inputs(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_
     check_softmax_scale(softmax_scale)
     check_softcap(softcap)
     check_window_size(window_size)
-    check_forward_only(q, k_cache, v_cache)
     total_q = q.shape[0]
     if should_check_values(cu_seqlens_q) and not _checked_before(cu_seqlens_q, total_q,
                                                                   max_seqlen_q):

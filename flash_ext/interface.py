@@ -34,7 +34,8 @@ flash_attn_varlen_func also takes ``seqused_k`` (FlashAttention-3's meaning: seq
 only its first seqused_k[b] keys) and ``block_table`` (FlashAttention-2's paged KV: k and v are
 caches (num_pages, page_size, nheads_k, headdim) and sequence b's key j is row j % page_size of
 page block_table[b, j // page_size]), for prefill and chunked prefill against a paged cache.
-Both are forward only (FlashExtNotImplementedError when q, k or v requires grad). Version 1 of
+Neither has a backward: with inputs that require grad the forward runs, and the output's
+backward raises FlashExtNotImplementedError (flash_ext/forward_only.py). Version 1 of
 block_table gathers the used pages into a padded contiguous K and V first (flash_ext/paged_kv.py:
 O(batch * max_seqlen_k) extra memory, no host sync), then runs the varlen forward.
 
@@ -201,8 +202,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     K and V (O(batch * max_seqlen_k * hkv * d) extra memory, one vectorized index, no host
     sync: it captures in CUDA graphs and compiles), then runs the varlen forward.
 
-    With either, the call is forward only: FlashExtNotImplementedError when q, k or v requires
-    grad (grad mode on)."""
+    With either, the call has no backward: when q, k or v requires grad (grad mode on) the
+    forward runs and returns the same out (FlashAttention-2's tests do this), and out's
+    backward raises FlashExtNotImplementedError saying what to do instead
+    (flash_ext/forward_only.py)."""
     fn = "flash_attn_varlen_func"
     if block_table is not None:
         return _varlen_paged(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

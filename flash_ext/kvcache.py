@@ -8,7 +8,9 @@ One call appends the new keys and values (if any) to the caches in place, then a
 every cached token of its sequence. It is two ops at most, both declared to torch.compile
 (flash_ext/ops.py): ``kvcache_append``, the only one that writes (and only the caches), then
 ``fwd_kvcache``, which reads. Every input check runs before the first of them, so a rejected
-call leaves the caches as they were.
+call leaves the caches as they were. A head dim that is not a multiple of 8 takes a slow
+compatibility path (as FlashAttention-2 does): the ops run on zero-padded copies, and the
+caches are copied back after the append (:func:`_run_padded`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 import flash_ext
 from flash_ext import _rows_aligned, _scalar_args, _validation, ops
@@ -52,8 +55,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (num_pages, page_size, nheads_k, headdim), page_size a multiple of 16; q's dtype.
             Used and written in place, never copied: last dim contiguous and rows 16-byte
             aligned (other strides are honoured, and may differ between the two). nheads must
-            be a multiple of nheads_k (GQA/MQA); headdim a multiple of 8, at most 256. Without
-            cache_batch_idx, sequence b uses cache row b (batch_cache >= batch).
+            be a multiple of nheads_k (GQA/MQA); headdim at most 256. Without cache_batch_idx,
+            sequence b uses cache row b (batch_cache >= batch).
+            A headdim that is not a multiple of 8 works, for compatibility, but slowly (as in
+            FlashAttention-2): the call then runs on zero-padded copies of q, k, v and both
+            whole caches, and after an append copies the updated caches back into the
+            caller's (whose layout is then free; see _run_padded). Use a multiple of 8 for
+            speed.
         k, v: optional new tokens (batch, seqlen_new, nheads_k, headdim), both or neither.
             Written to slots cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 of each
             sequence's cache, which then holds L_b = cache_seqlens[b] + seqlen_new keys.
@@ -70,7 +78,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             before it are not attended. Positions (rotary, masks) stay absolute slot indices.
         block_table: optional int32 (batch, max_pages_per_seq): the pages of each sequence
             (paged cache); capacity = max_pages_per_seq * page_size.
-        softmax_scale: default 1 / sqrt(headdim).
+        softmax_scale: default 1 / sqrt(headdim) (the given headdim, padded or not).
         causal, window_size: mask aligned to the bottom-right corner of each sequence's
             L_b keys: query t sees key j iff t + L_b - seqlen_q - left <= j <= t + L_b -
             seqlen_q + right (-1 = unbounded; causal sets right = 0).
@@ -124,12 +132,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
             seqlen_new, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, scale,
             causal, window_left, window_right, softcap, interleaved, int(num_splits))
+    run = _run_ops if q.shape[-1] % _validation.KVCACHE_HEADDIM_MULTIPLE == 0 else _run_padded
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k, v, alibi_slopes)):
         with torch.no_grad():  # no gradients (FlashAttention-2's behaviour): plain outputs
-            out, lse = _run_ops(*args)
+            out, lse = run(*args)
     else:
-        out, lse = _run_ops(*args)
+        out, lse = run(*args)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -330,3 +339,37 @@ def _run_ops(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, 
         ops._aligned(q), k_cache, v_cache, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
         seqlen_new, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, scale, causal,
         window_left, window_right, softcap, interleaved, num_splits)
+
+
+def _run_padded(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
+                seqlen_new, *rest):
+    """_run_ops for a head dim d that is not a multiple of 8 (the ops need 16-byte rows): on
+    copies of q, the caches and the new k, v zero-padded to the next multiple of 8, then out
+    cut back to d and, after an append, the caches' first d columns copied back into the
+    caller's caches.
+
+    Why this is exact: zero columns add nothing to q.k (the default softmax_scale was already
+    resolved from the original d), rotary touches only the first rotary_dim <= d columns, and
+    P V's first d columns are the unpadded ones. Every check has run on the caller's tensors
+    before this, and the caller's caches are written only after both ops returned (a failing
+    op leaves them as they were); the copy back rewrites the unwritten slots with their own
+    values, so only the appended slots change.
+
+    Slow, for compatibility (FlashAttention-2 does the same): each call copies both whole
+    caches (every page of a paged pool) twice when it appends, once otherwise, and holds the
+    padded copies meanwhile. Under CUDA graph capture and torch.compile it is these same
+    copies (the copy back is a plain in-place write to the caller's caches). Use a head dim
+    that is a multiple of 8 for speed."""
+    d = q.shape[-1]
+    pad = -d % _validation.KVCACHE_HEADDIM_MULTIPLE
+
+    def padded(t):
+        return None if t is None else F.pad(t, (0, pad))
+
+    k_cache_p, v_cache_p = padded(k_cache), padded(v_cache)
+    out, lse = _run_ops(padded(q), k_cache_p, v_cache_p, padded(k), padded(v), rotary_cos,
+                        rotary_sin, seqlens_tensor, seqlen_int, seqlen_new, *rest)
+    if seqlen_new > 0:
+        k_cache.copy_(k_cache_p[..., :d])
+        v_cache.copy_(v_cache_p[..., :d])
+    return out[..., :d], lse

@@ -9,10 +9,12 @@ Importing ``flash_ext._C`` registers, in C++ (csrc/ops_*.cpp):
     torch.ops.flash_ext.fwd_out(q, k, v, out, cu_seqlens_q, ...as fwd, without
                             deterministic...) -> lse   (writes out)
 
-``seqused_k`` (varlen only, int32 (batch,) on q's device, forward only): sequence b uses only
+``seqused_k`` (varlen only, int32 (batch,) on q's device, no backward): sequence b uses only
 its first seqused_k[b] keys, 0 <= seqused_k[b] <= cu_seqlens_k[b+1] - cu_seqlens_k[b]; causal
 and local masks align bottom-right to that length (FlashAttention-3's meaning). The autograd
-kernel refuses it when a graph would be recorded (no backward reads it).
+kernel refuses it when a graph would be recorded (no backward reads it); flash_ext's functions
+call the op without recording then, and give the output a node whose backward raises
+(flash_ext/forward_only.py).
     torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, causal, window_left, window_right,
                             softcap, deterministic, dropout_p=0.0, rng_state=None,

@@ -365,8 +365,10 @@ BAD = {
                           "q and k_cache must have the same head dim"),
     "heads_not_divisible": (dict(hq=3, hkv=2), None, ValueError,
                             "number of query heads \\(3\\) must be a positive multiple"),
-    "head_dim_not_multiple_of_8": (dict(d=60), None, NotImplementedError,
-                                   "head dim must be a multiple of 8 .*got 60"),
+    "head_dim_past_256": (dict(d=264), None, ValueError,
+                          "head dim must be between 1 and 256; got 264"),
+    "head_dim_past_256_not_padded": (dict(d=259), None, ValueError,
+                                     "head dim must be between 1 and 256; got 259"),
     "page_size_40": (dict(page_size=40, capacity=80), None, ValueError,
                      "page size must be a multiple of 16, got 40"),
     "block_table_and_batch_idx": (dict(page_size=16), lambda kw: kw.update(

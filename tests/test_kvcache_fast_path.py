@@ -34,7 +34,7 @@ from flash_ext import _validation, kvcache, ops
 DTYPES = [torch.float16, torch.bfloat16]
 OTHER_DTYPES = [torch.float32, torch.int32]
 HEAD_DIMS = [8, 16, 64, 64, 128, 256]
-BAD_HEAD_DIMS = [4, 12, 0, 264]
+BAD_HEAD_DIMS = [4, 12, 59, 0, 264]  # rare: padded copies (not the fast path), or errors
 
 
 # ---------------------------------------------------------------------------------------------

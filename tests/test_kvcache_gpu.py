@@ -3,8 +3,9 @@
 A seeded random sample of FlashAttention-2's grid and issue 26's (seqlen_q 1 to 128, keys up to
 128k, new k/v or none, rotary fractions and both modes, batch index, left padding, pages of 16 /
 64 / 256, causal, local, ALiBi, softcap, MHA/GQA/MQA, head dims 64 to 256, num_splits 1 / auto
-/ 7 / 128, fp16 and bf16), edge cases, the caches element by element after each call, a CUDA
-graph decode loop and torch.compile. About a minute on an H100.
+/ 7 / 128, fp16 and bf16), edge cases, head dims that are not a multiple of 8 (FlashAttention-2's
+59: padded copies), the caches element by element after each call, a CUDA graph decode loop and
+torch.compile. About a minute on an H100.
 
     pytest -q tests/test_kvcache_gpu.py
 """
@@ -255,6 +256,78 @@ def test_strided_caches_kv_views_of_one_buffer():
 
 
 # ---------------------------------------------------------------------------------------------
+# Head dims that are not a multiple of 8 (FlashAttention-2's test uses 59): the call runs on
+# zero-padded copies and copies the caches back after an append (flash_ext/kvcache.py)
+# ---------------------------------------------------------------------------------------------
+
+PADDED_HEAD_DIM_CASES = {
+    "d59_decode_rotary_interleaved": dict(d=59, b=2, sq=1, s_new=1, rotary="interleaved",
+                                          causal=True, capacity=512),
+    "d59_append_rotary_half_local": dict(d=59, b=2, sq=3, s_new=3, rotary="half",
+                                         rotary_frac=0.5, window_size=(40, 0), capacity=256),
+    "d59_paged_16_rotary_gqa": dict(d=59, b=3, sq=2, hq=6, hkv=3, s_new=2, page_size=16,
+                                    rotary="interleaved", causal=True, capacity=512),
+    "d59_paged_256_rotary_alibi": dict(d=59, b=2, sq=16, hq=6, hkv=1, s_new=16, page_size=256,
+                                       rotary="half", alibi="bh", causal=True, capacity=1024,
+                                       dtype=torch.bfloat16),
+    "d59_paged_no_new_kv": dict(d=59, b=2, sq=4, s_new=0, page_size=64, capacity=512),
+    "d59_batch_idx_leftpad": dict(d=59, b=2, sq=2, s_new=2, batch_idx=True, leftpad=True,
+                                  rotary="half", causal=True, capacity=256),
+    "d59_speculative_64": dict(d=59, b=2, sq=64, s_new=64, rotary="interleaved", causal=True,
+                               capacity=800),
+    "d36_gqa": dict(d=36, b=2, sq=1, hq=8, hkv=2, s_new=1, rotary="half", causal=True),
+    "d100_softcap_bf16": dict(d=100, b=2, sq=3, s_new=3, softcap=30.0, causal=True,
+                              dtype=torch.bfloat16, page_size=16, capacity=256),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PADDED_HEAD_DIM_CASES))
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_head_dim_not_multiple_of_8(name, num_splits):
+    kw = make_case(seed=sum(map(ord, name)), **PADDED_HEAD_DIM_CASES[name])
+    assert kw["q"].shape[-1] % 8 != 0
+    kw = _to_cuda(kw)
+    ptrs = (kw["k_cache"].data_ptr(), kw["v_cache"].data_ptr())
+    run_and_check(kw, num_splits)  # the caches checked slot by slot, the caller's tensors
+    assert (kw["k_cache"].data_ptr(), kw["v_cache"].data_ptr()) == ptrs
+
+
+def test_head_dim_59_bad_value_leaves_caches():
+    """A bad cache_seqlens value raises before the padded copies are even made; the caches
+    stay as they were."""
+    kw = _to_cuda(make_case(d=59, b=2, s_new=2, page_size=16, seed=17))
+    before = (kw["k_cache"].clone(), kw["v_cache"].clone())
+    kw["cache_seqlens"] = torch.tensor([3, 63], dtype=torch.int32, device="cuda")
+    with pytest.raises(flash_ext.FlashExtValueError, match="at most the cache capacity"):
+        flash_ext.flash_attn_with_kvcache(**kw)
+    assert torch.equal(kw["k_cache"], before[0]) and torch.equal(kw["v_cache"], before[1])
+
+
+def test_head_dim_59_compile():
+    """torch.compile: eager's result, the caller's caches updated."""
+    torch._dynamo.reset()
+    kw = _to_cuda(make_case(d=59, b=2, sq=1, hq=6, hkv=3, capacity=512, s_new=1,
+                            page_size=16, rotary="interleaved", causal=True, seed=19))
+    eager = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+
+    def step(q, k_cache, v_cache, k, v, cos, sin, lens, table):
+        return flash_ext.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+            block_table=table, causal=True, return_softmax_lse=True)
+
+    def args(d):
+        return (d["q"], d["k_cache"], d["v_cache"], d["k"], d["v"], d["rotary_cos"],
+                d["rotary_sin"], d["cache_seqlens"], d["block_table"])
+
+    out, lse = torch.compile(step, fullgraph=True)(*args(kw))
+    want_out, want_lse = step(*args(eager))
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    assert torch.equal(kw["k_cache"], eager["k_cache"])
+    assert torch.equal(kw["v_cache"], eager["v_cache"])
+
+
+# ---------------------------------------------------------------------------------------------
 # Bad values on CUDA tensors: raised before the append, caches untouched
 # ---------------------------------------------------------------------------------------------
 
@@ -278,9 +351,11 @@ def test_cuda_values_checked_before_the_append():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("d", [128, 59])
 @pytest.mark.parametrize("page_size", [None, 16])
-def test_cuda_graph_decode_loop(page_size):
-    kw = _to_cuda(make_case(b=3, sq=1, hq=8, hkv=2, d=128, capacity=512, s_new=1,
+def test_cuda_graph_decode_loop(page_size, d):
+    """d = 59 captures the padded copies and the copy back (slow, but replayable)."""
+    kw = _to_cuda(make_case(b=3, sq=1, hq=8, hkv=2, d=d, capacity=512, s_new=1,
                             page_size=page_size, rotary="half", causal=True, seed=8))
     kw["cache_seqlens"] = torch.tensor([5, 200, 311], dtype=torch.int32, device="cuda")
     eager = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}

@@ -4,7 +4,8 @@ A fixture gives flash_ext::fwd and fwd_out CPU kernels that implement seqused_k'
 flash_ext.reference (each sequence's keys cut to their first seqused_k[b]) and record their
 calls; the Python layer then runs end to end on CPU tensors: the gather of a paged cache, the
 arguments the op receives, the results against a reference built with plain loops, the
-validation errors (raised before any op call), the forward-only rule, and torch.compile.
+validation errors (raised before any op call), inputs that require grad (the forward runs, the
+backward raises), and torch.compile.
 tests/test_paged_prefill_gpu.py runs the same against the kernels.
 """
 
@@ -220,15 +221,54 @@ def test_seqused_k_needs_varlen(kernels):
     assert kernels.calls == []
 
 
-def test_seqused_k_is_forward_only(kernels):
-    q = _rand(5, 2, 16).requires_grad_(True)
+def _check_backward_raises(out, inputs):
+    """out's backward raises flash_ext's NotImplementedError (a RuntimeError, as FlashAttention's
+    errors are) and leaves no gradient behind."""
+    assert out.requires_grad and out.grad_fn is not None
+    with pytest.raises(FlashExtNotImplementedError):
+        torch.autograd.grad(out, inputs, torch.ones_like(out), retain_graph=True)
     with pytest.raises(FlashExtNotImplementedError,
-                       match="seqused_k / block_table: forward only"):
-        _seqused_call(q=q)
-    assert kernels.calls == []
+                       match="seqused_k / block_table have no backward") as info:
+        out.float().sum().backward()
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, NotImplementedError)
+    assert "torch.no_grad()" in str(info.value) and "gather_paged_kv" in str(info.value)
+    assert all(t.grad is None for t in inputs)
+
+
+@pytest.mark.parametrize("grad_args", [("q",), ("k",), ("v",), ("q", "k", "v")])
+def test_seqused_k_with_grad_runs_the_forward_only(kernels, grad_args):
+    """Inputs that require grad: the forward runs and gives the result of the call without
+    grad; the output's backward raises."""
+    torch.manual_seed(5)
+    plain = dict(q=_rand(5, 2, 16), k=_rand(5, 2, 16), v=_rand(5, 2, 16))
+    want, want_lse = _seqused_call(**plain)
+    args = {n: (t.clone().requires_grad_(True) if n in grad_args else t)
+            for n, t in plain.items()}
+    out, lse = _seqused_call(**args)
+    assert len(kernels.calls) == 2
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert not lse.requires_grad
+    _check_backward_raises(out, [args[n] for n in grad_args])
+
+
+def test_seqused_k_with_grad_under_no_grad(kernels):
+    """Under torch.no_grad() nothing changes: a plain output, no node."""
+    q, k, v = _rand(5, 2, 16).requires_grad_(True), _rand(5, 2, 16), _rand(5, 2, 16)
     with torch.no_grad():
-        _seqused_call(q=q)  # fine without a graph to record
-    assert len(kernels.calls) == 1
+        out, _ = _seqused_call(q=q, k=k, v=v)
+    assert not out.requires_grad and out.grad_fn is None
+    out2, _ = _seqused_call(q=q.detach(), k=k, v=v)
+    assert not out2.requires_grad and torch.equal(out, out2)
+    assert len(kernels.calls) == 2
+
+
+def test_seqused_k_forward_only_output_is_an_ordinary_tensor(kernels):
+    """No copy of the kernel's output; in-place operations on it are allowed (and their own
+    backward still reaches the raising node); k and v may be one tensor."""
+    q, kv = _rand(5, 2, 16).requires_grad_(True), _rand(5, 2, 16).requires_grad_(True)
+    out, _ = _seqused_call(q=q, k=kv, v=kv)
+    out.mul_(2)
+    _check_backward_raises(out, [q, kv])
 
 
 def test_op_refuses_seqused_k_when_recording(kernels):
@@ -388,17 +428,54 @@ def test_block_table_garbage_past_the_end_is_fine(kernels):
     assert len(kernels.calls) == 1
 
 
-def test_block_table_is_forward_only(kernels):
+@pytest.mark.parametrize("grad_args", [("q",), ("k",), ("q", "k", "v")])
+def test_block_table_with_grad_runs_the_forward_only(kernels, grad_args):
+    """FlashAttention-2's test_flash_attn_varlen_causal: the paged forward with q requiring
+    grad (only its backward is skipped). The forward gives the result of the call without
+    grad; the output's backward raises."""
+    lq, lk = [2, 3], [5, 7]
+    q, kc, vc, table, k, v = _paged_case(lq, lk, 4)
+    want = flash_ext.flash_attn_varlen_func(q, kc, vc, _cu(lq), _cu(lk), 3, 7, causal=True,
+                                            block_table=table)
+    args = dict(q=q.clone(), k=kc.clone(), v=vc.clone())
+    for n in grad_args:
+        args[n].requires_grad_(True)
+    out, lse, _ = flash_ext.flash_attn_varlen_func(args["q"], args["k"], args["v"], _cu(lq),
+                                                   _cu(lk), 3, 7, causal=True,
+                                                   block_table=table, return_attn_probs=True)
+    assert len(kernels.calls) == 2
+    assert torch.equal(out, want) and not lse.requires_grad
+    ro, _ = attention_ref_varlen(q, k, v, _cu(lq), _cu(lk), causal=True)
+    torch.testing.assert_close(out.float(), ro, atol=2e-3, rtol=2e-3)
+    _check_backward_raises(out, [args[n] for n in grad_args])
+
+
+def test_block_table_with_grad_under_no_grad(kernels):
     lq, lk = [2, 3], [5, 7]
     q, kc, vc, table, _, _ = _paged_case(lq, lk, 4)
-    for grad_arg in ("q", "k"):
-        args = dict(q=q.clone(), k=kc.clone(), v=vc)
-        args[grad_arg].requires_grad_(True)
-        with pytest.raises(FlashExtNotImplementedError,
-                           match="seqused_k / block_table: forward only"):
-            flash_ext.flash_attn_varlen_func(args["q"], args["k"], args["v"], _cu(lq), _cu(lk),
-                                             3, 7, block_table=table)
-    assert kernels.calls == []
+    q.requires_grad_(True)
+    with torch.no_grad():
+        out = flash_ext.flash_attn_varlen_func(q, kc, vc, _cu(lq), _cu(lk), 3, 7,
+                                               block_table=table)
+    assert not out.requires_grad and out.grad_fn is None and len(kernels.calls) == 1
+
+
+def test_block_table_with_grad_compiles_fullgraph(kernels):
+    """torch.compile traces the forward-only call (and its backward) into one graph; the
+    compiled output's backward raises the same error at run time."""
+    lq, lk = [2, 3], [5, 7]
+    q, kc, vc, table, _, _ = _paged_case(lq, lk, 4)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+
+    def f(q, kc, vc, table):
+        return flash_ext.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 7, causal=True,
+                                                block_table=table)
+
+    want = f(q, kc, vc, table)
+    qg = q.clone().requires_grad_(True)
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(qg, kc, vc, table)
+    assert torch.equal(out, want)
+    _check_backward_raises(out, [qg])
 
 
 def test_block_table_compiles_fullgraph(kernels):

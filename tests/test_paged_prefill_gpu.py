@@ -6,7 +6,8 @@ to their used keys (the keys past them are poisoned with NaN: they must never re
 result). block_table: the result must equal the reference on the same keys laid out plainly,
 for page sizes 16, 48, 64, 256 (pages in random order, garbage table entries past each
 sequence's pages), and for chunked prefill (new queries against cached tokens plus themselves,
-causal bottom-right). Pass criterion and lse tolerance: tests/test_fwd_gpu.py's. Each case runs
+causal bottom-right). With inputs that require grad, both give the same result and the output's
+backward raises. Pass criterion and lse tolerance: tests/test_fwd_gpu.py's. Each case runs
 under FLASH_EXT_FWD_PATH=sm80 and auto (seqused_k calls route to the sm80 kernel on every GPU:
 csrc/dispatch/paths.cpp, tma_compatible).
 """
@@ -194,17 +195,78 @@ def test_block_table_cuda_graph_capture():
     torch.testing.assert_close(out, call(), atol=0, rtol=0)
 
 
-def test_grad_is_refused():
-    lens_q, lens_k = [8, 8], [20, 30]
-    kc, vc, table, _, _ = paged_case(lens_k, 16, 2, 64, torch.float16)
-    q = torch.randn(16, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+def _forward_only_case(paged, dtype, d=128):
+    """(q, k or k_cache, v or v_cache, cu_q, cu_k, max_q, max_k, extra keywords) and the used
+    keys as plain varlen k, v, for a call with seqused_k or block_table."""
+    lens_q, lens_k, used = [17, 64, 5], [40, 300, 90], [40, 129, 0]
+    hq, hkv = 6, 2
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=dtype)
+    if paged:
+        kc, vc, table, k, v = paged_case(used, 16, hkv, d, dtype)
+        return ((q, kc, vc, cu_of(lens_q), cu_of(used), max(lens_q), max(used)),
+                dict(block_table=table), k, v, used)
+    k = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=dtype)
+    su = torch.tensor(used, dtype=torch.int32, device="cuda")
+    return ((q, k, v, cu_of(lens_q), cu_of(lens_k), max(lens_q), max(lens_k)),
+            dict(seqused_k=su), _trim(k, lens_k, used), _trim(v, lens_k, used), used)
+
+
+def _assert_backward_raises(out, inputs):
     with pytest.raises(flash_ext.FlashExtNotImplementedError,
-                       match="seqused_k / block_table: forward only"):
-        flash_ext.flash_attn_varlen_func(q, kc, vc, cu_of(lens_q), cu_of(lens_k), 8, 30,
-                                         block_table=table)
+                       match="seqused_k / block_table have no backward") as info:
+        torch.autograd.grad(out, inputs, torch.randn_like(out))
+    assert isinstance(info.value, RuntimeError)
+    assert all(t.grad is None for t in inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("paged", [False, True], ids=["seqused_k", "block_table"])
+@pytest.mark.parametrize("grad_args", ["q", "qkv"])
+@pytest.mark.parametrize("d", [128, 59])
+def test_inputs_requiring_grad(dtype, paged, grad_args, d):
+    """FlashAttention-2's test_flash_attn_varlen_causal runs the paged forward with q requiring
+    grad and skips only the backward: the forward gives the reference's result (and bitwise the
+    result without grad); the output's backward raises flash_ext's NotImplementedError."""
+    args, extra, k_used, v_used, used = _forward_only_case(paged, dtype, d)
+    want = flash_ext.flash_attn_varlen_func(*args, causal=True, **extra)
+    args = list(args)
+    grads = [0] if grad_args == "q" else [0, 1, 2]
+    for i in grads:
+        args[i] = args[i].clone().requires_grad_(True)
+    out, lse, _ = flash_ext.flash_attn_varlen_func(*args, causal=True, return_attn_probs=True,
+                                                   **extra)
+    assert out.requires_grad and not lse.requires_grad
+    assert torch.equal(out, want)
+    q, cu_q = args[0].detach(), args[3]
+    _check(out.detach(), lse, q, k_used, v_used, cu_q, cu_of(used),
+           f"{'paged' if paged else 'seqused_k'} with grad", causal=True)
+    _assert_backward_raises(out, [args[i] for i in grads])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["seqused_k", "block_table"])
+def test_inputs_requiring_grad_compiled(paged):
+    """torch.compile (inductor, fullgraph): eager's result; the backward raises at run time."""
+    torch._dynamo.reset()
+    args, extra, _, _, _ = _forward_only_case(paged, torch.bfloat16)
+
+    def f(q, k, v):
+        return flash_ext.flash_attn_varlen_func(q, k, v, *args[3:], causal=True, **extra)
+
+    want = f(*args[:3])
+    q = args[0].clone().requires_grad_(True)
+    out = torch.compile(f, fullgraph=True)(q, args[1], args[2])
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    _assert_backward_raises(out, [q])
+
+
+def test_op_refuses_seqused_k_when_recording():
+    """The op itself (its C++ autograd kernel, below flash_ext's functions) still refuses
+    seqused_k when autograd would record it: no backward reads it."""
+    lens_q, lens_k = [8, 8], [20, 30]
+    q = torch.randn(16, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
     k = torch.randn(50, 2, 64, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="seqused_k / block_table: forward only"):
-        # the op itself (its C++ autograd kernel), below the Python checks
         torch.ops.flash_ext.fwd(q, k, k, cu_of(lens_q), cu_of(lens_k), 8, 30, 0.125, False, -1,
                                 -1, 0.0, seqused_k=torch.tensor([5, 5], dtype=torch.int32,
                                                                 device="cuda"))
