@@ -272,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   const bool deep_fits = dev.smem_optin_bytes >= decode_smem_bytes(kd, kDecodeStagesDeep);
   const DecodeConfig config = choose_decode_config(
       int(num_splits), batch * heads_kv * m_blocks, dev.sms, int64_t(dev.sms) * ctas_per_sm, deep_fits,
-      (c.capacity + decode_block_n(kd) - 1) / decode_block_n(kd), tuning_overrides().decode_ring);
+      block_table.has_value(), (c.capacity + decode_block_n(kd) - 1) / decode_block_n(kd), tuning_overrides().decode_ring);
   p.num_splits = config.splits;
   p.ring_stages = config.ring_stages;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();

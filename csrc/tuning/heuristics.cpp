@@ -187,26 +187,32 @@ BwdTile bwd_sm80_pick_tile(int kernel_head_dim) {
 }
 
 DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, bool deep_fits,
-                                  int64_t key_blocks, int ring_override) {
+                                  bool paged, int64_t key_blocks, int ring_override) {
   DecodeConfig c;
-  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kDecodeMaxSplits, key_blocks / 4));
-  // The deep ring for grids of at most one CTA per SM: few sequences x KV heads.
-  const bool deep = deep_fits && (ring_override == kDecodeStagesDeep ||
-                                  (ring_override == 0 && units > 0 && 2 * units <= sms));
-  c.ring_stages = deep ? kDecodeStagesDeep : kDecodeStagesShallow;
-  if (requested > 0) {
-    c.splits = std::min(requested, kDecodeMaxSplits);
-  } else if (units <= 0) {
-    c.splits = 1;
-  } else if (deep) {
-    c.splits = int(std::clamp<int64_t>((sms + units / 2) / units, 1, max_splits));  // ~one CTA per SM
+  if (units <= 0) return c;
+  const int64_t max_splits = std::clamp<int64_t>(key_blocks / 4, 1, kDecodeMaxSplits);
+  const int64_t deep_splits = std::clamp<int64_t>(sms / units, 1, max_splits);  // one wave of one CTA per SM
+  auto filled = [](int64_t ctas, int64_t slots) {  // the busy share of the grid's last wave
+    return double(ctas) / double((ctas + slots - 1) / slots * slots);
+  };
+  bool deep = false;
+  int64_t splits = 1;
+  if (units <= sms / 8 && key_blocks <= 8 * deep_splits) {
+    // Few sequences x KV heads and short splits: per-CTA latency bound; the deep ring keeps 3
+    // blocks in flight per SM (1 x 8k keys: 1271 vs 1178 GB/s).
+    deep = true, splits = deep_splits;
   } else if (units < 2 * int64_t(sms)) {
-    c.splits = int(std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits));  // ~two per SM
-  } else {
-    // Whole waves already: two splits only where they fill the last wave much better.
-    auto filled = [&](int64_t ctas) { return double(ctas) / double((ctas + shallow_slots - 1) / shallow_slots * shallow_slots); };
-    c.splits = max_splits >= 8 && filled(2 * units) > filled(units) + 0.1 ? 2 : 1;
+    splits = std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits);  // ~two CTAs per SM
+  } else if (!paged && filled(units, shallow_slots) < 0.75 && filled(units, sms) > filled(units, shallow_slots) + 0.1) {
+    deep = true;  // whole waves of one CTA per SM fill the GPU better (64 x 4k: 2906 vs 2830 GB/s)
+  } else if (max_splits >= 8 && filled(2 * units, shallow_slots) > filled(units, shallow_slots) + 0.1) {
+    splits = 2;  // a second split evens out the last wave
   }
+  if (ring_override != 0) deep = ring_override == kDecodeStagesDeep;
+  deep = deep && deep_fits;
+  if (requested > 0) splits = std::min(requested, kDecodeMaxSplits);
+  c.splits = int(splits);
+  c.ring_stages = deep ? kDecodeStagesDeep : kDecodeStagesShallow;
   return c;
 }
 
