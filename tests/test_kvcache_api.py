@@ -669,10 +669,11 @@ def test_wrapper_decode_loop(cpu_ops):
         kw["cache_seqlens"] += 1
 
 
-def test_wrapper_under_aot_eager_mutates_the_caches(cpu_ops):
+@pytest.mark.parametrize("d", [64, 59])  # 59: the zero-padded head dim path
+def test_wrapper_under_aot_eager_mutates_the_caches(cpu_ops, d):
     """torch.compile (aot_eager: functionalized, then the mutation written back) gives the
     eager result and updates the caches the caller holds."""
-    kw = make_case(b=2, sq=2, s_new=2, page_size=16, rotary="half", alibi="h", causal=True)
+    kw = make_case(b=2, d=d, sq=2, s_new=2, page_size=16, rotary="half", alibi="h", causal=True)
     eager = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
     want = flash_ext.flash_attn_with_kvcache(**eager)
 

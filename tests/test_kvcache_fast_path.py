@@ -448,17 +448,23 @@ def test_fast_path_arguments(meta_ok, monkeypatch):
     assert [type(x) for x in fwd[12:]] == [float, bool, int, int, float, bool, int]
 
 
-def test_values_checked_once_per_tensor_version(meta_ok, monkeypatch):
-    """The fast path keeps check_kvcache_values' cache: the first call with a cache_seqlens
-    checks it, the next ones with the same tensor, version and shapes do not call the check;
-    an in-place update of the tensor (a decode loop's step) or another seqlen_new checks
-    again."""
+def _count_value_checks(monkeypatch):
+    """The ops as no-ops and check_kvcache_values counted: the list grows by one per check."""
     monkeypatch.setattr(ops, "_kvcache_append", lambda *a: None)
     monkeypatch.setattr(ops, "_fwd_kvcache", lambda q, *a: (q, None))
     checks = []
     real = _validation.check_kvcache_values
     monkeypatch.setattr(_validation, "check_kvcache_values",
                         lambda *a: checks.append(1) or real(*a))
+    return checks
+
+
+def test_values_checked_once_per_tensor_version(meta_ok, monkeypatch):
+    """The fast path keeps check_kvcache_values' cache: the first call with a cache_seqlens
+    checks it, the next ones with the same tensor, version and shapes do not call the check;
+    an in-place update of the tensor (a decode loop's step) or another seqlen_new checks
+    again."""
+    checks = _count_value_checks(monkeypatch)
     kw = _decode()
     seen = []
     for step in range(4):
@@ -616,12 +622,7 @@ def test_paged_values_checked_once_per_version(meta_ok, monkeypatch):
     versions, or once per block_table version with int lengths: the next layers' calls find
     the entry; an in-place update of either tensor, or another int length, checks again; the
     full path finds the entry the fast path's check left (the same key)."""
-    monkeypatch.setattr(ops, "_kvcache_append", lambda *a: None)
-    monkeypatch.setattr(ops, "_fwd_kvcache", lambda q, *a: (q, None))
-    checks = []
-    real = _validation.check_kvcache_values
-    monkeypatch.setattr(_validation, "check_kvcache_values",
-                        lambda *a: checks.append(1) or real(*a))
+    checks = _count_value_checks(monkeypatch)
     entries = []
     remember = _validation._remember_values_checked
     monkeypatch.setattr(_validation, "_remember_values_checked",

@@ -350,24 +350,8 @@ def test_fast_path_declines(recorder, d):
     assert recorder.names() == ["append", "fwd"]
 
 
-def test_aot_eager_updates_the_callers_caches(cpu_ops):
-    """torch.compile (aot_eager: functionalized, input mutations written back) gives the eager
-    result and updates the caller's caches."""
-    kw = make_case(d=59, page_size=16, sq=2, s_new=2, rotary="half", alibi="h", causal=True)
-    eager = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
-    want = flash_ext.flash_attn_with_kvcache(**eager)
-
-    @torch.compile(fullgraph=True, backend="aot_eager")
-    def step(q, k_cache, v_cache, k, v, cos, sin, lens, table, slopes):
-        return flash_ext.flash_attn_with_kvcache(
-            q, k_cache, v_cache, k, v, cos, sin, lens, block_table=table, causal=True,
-            rotary_interleaved=False, alibi_slopes=slopes)
-
-    out = step(kw["q"], kw["k_cache"], kw["v_cache"], kw["k"], kw["v"], kw["rotary_cos"],
-               kw["rotary_sin"], kw["cache_seqlens"], kw["block_table"], kw["alibi_slopes"])
-    assert torch.equal(out, want)
-    assert torch.equal(kw["k_cache"], eager["k_cache"])
-    assert torch.equal(kw["v_cache"], eager["v_cache"])
+# torch.compile with aot_eager on this path: test_kvcache_api.py's
+# test_wrapper_under_aot_eager_mutates_the_caches[59].
 
 
 def test_compile_fullgraph_fake_tensors(fake_mode):

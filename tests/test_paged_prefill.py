@@ -460,16 +460,20 @@ def test_block_table_with_grad_under_no_grad(kernels):
     assert not out.requires_grad and out.grad_fn is None and len(kernels.calls) == 1
 
 
+def _paged_causal_call(cu_q, cu_k):
+    """The paged causal varlen call the compile tests trace (max_seqlen_q 3, max_seqlen_k 7)."""
+    def f(q, kc, vc, table):
+        return flash_ext.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 7, causal=True,
+                                                block_table=table)
+    return f
+
+
 def test_block_table_with_grad_compiles_fullgraph(kernels):
     """torch.compile traces the forward-only call (and its backward) into one graph; the
     compiled output's backward raises the same error at run time."""
     lq, lk = [2, 3], [5, 7]
     q, kc, vc, table, _, _ = _paged_case(lq, lk, 4)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-
-    def f(q, kc, vc, table):
-        return flash_ext.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 7, causal=True,
-                                                block_table=table)
+    f = _paged_causal_call(_cu(lq), _cu(lk))
 
     want = f(q, kc, vc, table)
     qg = q.clone().requires_grad_(True)
@@ -481,11 +485,7 @@ def test_block_table_with_grad_compiles_fullgraph(kernels):
 def test_block_table_compiles_fullgraph(kernels):
     lq, lk = [2, 3], [5, 7]
     q, kc, vc, table, k, v = _paged_case(lq, lk, 4)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-
-    def f(q, kc, vc, table):
-        return flash_ext.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 7, causal=True,
-                                                block_table=table)
+    f = _paged_causal_call(_cu(lq), _cu(lk))
 
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, kc, vc, table)
     torch.testing.assert_close(out, f(q, kc, vc, table))
