@@ -186,7 +186,7 @@ BwdTile bwd_sm80_pick_tile(int kernel_head_dim) {
   return choose_bwd_sm80_tile(kernel_head_dim, current_device_info(), tuning_overrides());
 }
 
-DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, bool deep_fits,
+DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, int deepest_ring,
                                   bool paged, int64_t key_blocks, int ring_override) {
   DecodeConfig c;
   if (units <= 0) return c;
@@ -195,24 +195,24 @@ DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t
   auto filled = [](int64_t ctas, int64_t slots) {  // the busy share of the grid's last wave
     return double(ctas) / double((ctas + slots - 1) / slots * slots);
   };
-  bool deep = false;
+  int ring = kDecodeStagesShallow;
   int64_t splits = 1;
   if (units <= sms / 8 && key_blocks <= 8 * deep_splits) {
-    // Few sequences x KV heads and short splits: per-CTA latency bound; the deep ring keeps 3
-    // blocks in flight per SM (1 x 8k keys: 1271 vs 1178 GB/s).
-    deep = true, splits = deep_splits;
+    // Few sequences x KV heads and short splits: per-CTA latency bound; a deep ring keeps more
+    // blocks in flight per SM (1 x 8k keys, ring 4: 1271 vs 1178 GB/s), the deepest that fits
+    // (6 on an H100: 5 blocks in flight; predicted, docs/perf-notes.md "Draft: deeper decode ring").
+    ring = deepest_ring, splits = deep_splits;
   } else if (units < 2 * int64_t(sms)) {
     splits = std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits);  // ~two CTAs per SM
   } else if (!paged && filled(units, shallow_slots) < 0.75 && filled(units, sms) > filled(units, shallow_slots) + 0.1) {
-    deep = true;  // whole waves of one CTA per SM fill the GPU better (64 x 4k: 2906 vs 2830 GB/s)
+    ring = kDecodeStagesDeep;  // whole waves of one CTA per SM fill the GPU better (64 x 4k: 2906 vs 2830 GB/s)
   } else if (max_splits >= 8 && filled(2 * units, shallow_slots) > filled(units, shallow_slots) + 0.1) {
     splits = 2;  // a second split evens out the last wave
   }
-  if (ring_override != 0) deep = ring_override == kDecodeStagesDeep;
-  deep = deep && deep_fits;
+  if (ring_override != 0) ring = ring_override;
   if (requested > 0) splits = std::min(requested, kDecodeMaxSplits);
   c.splits = int(splits);
-  c.ring_stages = deep ? kDecodeStagesDeep : kDecodeStagesShallow;
+  c.ring_stages = std::min(ring, deepest_ring);  // both are compiled depths
   return c;
 }
 

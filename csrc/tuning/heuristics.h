@@ -111,15 +111,15 @@ struct DecodeConfig {
 };
 
 // units: the CTAs without splitting (batch x KV heads x row blocks); shallow_slots: CTAs of the
-// shallow ring the GPU holds at once (SMs x CTAs per SM); deep_fits: the deep ring fits one SM's
-// shared memory; paged: a block table (its page lookups stall a lone CTA per SM); key_blocks:
-// key blocks of the cache's capacity (never device values: no sync, and a captured graph stays
-// valid as the cache fills). requested > 0 forces that many splits (at most kDecodeMaxSplits);
-// ring_override 2 or 4 forces the depth (0: chosen; 4 only where it fits). H100 sweep
-// (docs/perf-notes.md): grids of about two shallow CTAs per SM with >= 4 blocks per split were
-// best, one deep CTA per SM where splits are short; at two waves or more, a second split only
-// where it evens out the last wave.
-DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, bool deep_fits,
+// shallow ring the GPU holds at once (SMs x CTAs per SM); deepest_ring: the deepest compiled ring
+// that fits one SM's shared memory (decode_deepest_ring); paged: a block table; key_blocks: key
+// blocks of the cache's capacity (never device values: no sync, and a captured graph stays valid
+// as the cache fills). requested > 0 forces that many splits (at most kDecodeMaxSplits);
+// ring_override 2, 4 or 6 forces the depth (0: chosen; never deeper than deepest_ring). H100
+// sweep (docs/perf-notes.md): grids of about two shallow CTAs per SM with >= 4 blocks per split
+// were best, one deep CTA per SM where splits are short; at two waves or more, a second split
+// only where it evens out the last wave.
+DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, int deepest_ring,
                                   bool paged, int64_t key_blocks, int ring_override);
 
 }  // namespace flash_ext
