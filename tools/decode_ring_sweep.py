@@ -63,7 +63,6 @@ def main():
             print(f"{shape} auto: {gb / _median_us(call(0)) * 1e6:.0f}", flush=True)
         finally:
             ops.set_tuning("FLASH_EXT_DECODE_RING", "")
-        del q, kc, vc, table
 
 
 if __name__ == "__main__":
