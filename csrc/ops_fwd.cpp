@@ -70,7 +70,7 @@ void launch(FwdParams& p, const at::Tensor& q, const FlashMaskInput& fm_in) {
     buffers = allocate_sm90_fwd_buffers(config, p, q.options(), q.get_device(), stream);
   }
   if (fm_in.bounds != nullptr) {
-    const int block_n = kernel.path == KernelPath::kSm90 ? sm90_fwd_fm_block_n(config.tile.block_n)
+    const int block_n = kernel.path == KernelPath::kSm90 ? config.tile.block_n
                                                           : sm80_fwd_block_n(kernel.kernel_head_dim);
     fm = set_flashmask_params(p, *fm_in.bounds, *fm_in.shape, *fm_in.cu_seqlens_k, fm_in.causal, block_n, stream);
   }

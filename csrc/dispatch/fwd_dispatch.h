@@ -12,10 +12,6 @@ namespace flash_ext {
 // The sm80 forward's key-block size for its kernel head dim (run_fwd_sm80's tiles, which
 // static_assert it): the block size FlashMask's summaries are made for.
 constexpr int sm80_fwd_block_n(int kernel_head_dim) { return kernel_head_dim <= 32 ? 128 : 64; }
-// The Hopper forward's summary block size for a tile of tile_block_n keys: the tile's own where
-// the summary kernel makes that size (32, 64, 128); d = 256's 80-key tile combines the 3-4
-// summaries of 32 columns that overlap each of its blocks (sm90/fwd_mask.h block_class).
-constexpr int sm90_fwd_fm_block_n(int tile_block_n) { return tile_block_n % 32 == 0 ? tile_block_n : 32; }
 
 // FlashAttention-2 kernel (mma.sync); built for sm_80 and, to run on Hopper, sm_90a.
 template <int kHeadDim, bool kIsBf16>

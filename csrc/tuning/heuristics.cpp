@@ -23,11 +23,10 @@ bool masked(const FwdParams& p) { return p.has_window || p.has_flashmask; }
 // in three A/B runs, where 80-key blocks compute 2080 columns for 2048).
 bool choose_alt_tile(const FwdParams& p, int kd, const TuningOverrides& o) {
   if (!sm90_fwd_has_alt_tile(kd)) return false;
-  // FlashMask: never d = 64's 192-row tile (sm90/fwd_launch.cuh: its 160-register consumers
-  // spilled). d = 256's 128 x 80 tile only where FLASH_EXT_SM90_FWD_TILE=alt asks for it: it reads
-  // 32-column summaries, 3-4 per block (dispatch/fwd_dispatch.h sm90_fwd_fm_block_n), and is
-  // unmeasured against the 128 x 64 tile's exact ones.
-  if (p.has_flashmask) return kd == 256 && o.sm90_fwd_tile > 0;
+  // Not for FlashMask: the kernel has it on the 128-row base tiles only (sm90/fwd_launch.cuh: the
+  // 192-row tile's 160-register consumers spilled), and its summaries are made for the tile's
+  // block_n in 32, 64 or 128 columns (api/flashmask.cpp), not d = 256's 80.
+  if (p.has_flashmask) return false;
   const bool alt_auto = kd == 256 && !masked(p) ? p.seqlen_q > 2048
                                                  : (p.seqlen_q >= 2048 || (!masked(p) && p.seqlen_q >= 1024));
   return o.sm90_fwd_tile > 0 || (o.sm90_fwd_tile < 0 && alt_auto);
