@@ -104,10 +104,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const BwdParams& p = args.p;
-  const int n_block = blockIdx.x, batch = blockIdx.z;
+  const int n_block = blockIdx.x, head_y = blockIdx.y, batch = blockIdx.z;
   // Query heads [head0, head0 + group) in turn; one (head0 = blockIdx.y) without kGroupLoop.
   const int group = kGroupLoop ? p.heads_q / p.heads_kv : 1;
-  const int head0 = kGroupLoop ? int(blockIdx.y) * group : int(blockIdx.y);
+  const int head0 = kGroupLoop ? head_y * group : head_y;
   const int warp_group = threadIdx.x / 128;  // 0: producer
   const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
   const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
@@ -148,27 +148,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x != 0 || m_min >= m_max) return;
-    const int head_kv = kGroupLoop ? int(blockIdx.y) : head0 / (p.heads_q / p.heads_kv);
+    const int head_kv = kGroupLoop ? head_y : head0 / (p.heads_q / p.heads_kv);
+    Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q)(_, _, head0, batch);
+    Tensor mdO = args.tma_do.get_tma_tensor(args.shape_q)(_, _, head0, batch);
     Tensor mK = args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
     Tensor mV = args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
     Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    int64_t row_base = (int64_t(batch) * p.heads_q + head0) * args.seqlen_q_padded;
 
     Barrier::arrive_and_expect_tx(&ss.barrier_kv, Traits::kTmaBytesKV);
     copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
     copy(args.tma_v.with(ss.barrier_kv), tVgV, tVsV);
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-    for (int g = 0; g < group; ++g) {
-      const int head = head0 + g;
-      Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, batch);
-      Tensor mdO = args.tma_do.get_tma_tensor(args.shape_q)(_, _, head, batch);
-      Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      const int64_t row_base = (int64_t(batch) * p.heads_q + head) * args.seqlen_q_padded;
+    for (int g = 0; g < group; ++g) {  // one pass without kGroupLoop
+      if constexpr (kGroupLoop) {
+        if (g > 0) {  // the next query head: its Q and dO tiles, its lse / D rows
+          const int head = head0 + g;
+          Tensor gQh = local_tile(args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, batch),
+                                  Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+          Tensor gdOh = local_tile(args.tma_do.get_tma_tensor(args.shape_q)(_, _, head, batch),
+                                   Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+          tQgQ = get<0>(tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQh)));
+          tdOgdO = get<0>(tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdOh)));
+          row_base += args.seqlen_q_padded;
+        }
+      }
       for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max)) {
         pipeline_q.producer_acquire(write);
         auto* bar = pipeline_q.producer_get_barrier(write);
@@ -340,10 +351,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   // Epilogue: dK (already scaled) and dV in the input dtype, rows < seqlen_k, cols < head_dim.
   const int rows_k = seqlen_k - n_block * kBlockN;
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // blockIdx.y: the KV head with kGroupLoop, else the query head (of the expanded buffers).
-  Element* dk_tile = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + int(blockIdx.y) * p.dk_head_stride +
+  // head_y: the KV head with kGroupLoop, else the query head (of the expanded buffers).
+  Element* dk_tile = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head_y * p.dk_head_stride +
                      int64_t(n_block) * kBlockN * p.dk_row_stride;
-  Element* dv_tile = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + int(blockIdx.y) * p.dv_head_stride +
+  Element* dv_tile = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head_y * p.dv_head_stride +
                      int64_t(n_block) * kBlockN * p.dv_row_stride;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
