@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // each part starting on a 256-byte boundary: D = rowsum(dO * O) and, for the Hopper kernel,
   // lse * log2(e) (both (batch, heads_q, seqlen_q rounded up), filled by its preprocess kernel;
   // the sm80 kernels' D is laid out like lse), then the dQ accumulator.
-  // Hopper: the accumulator's tiles (BwdParams::dq, sm90/bwd_kernel.cuh) are zeroed by its
+  // Hopper: the accumulator's tiles (BwdParams::dq, sm90/bwd_pre_post_kernels.cuh) are zeroed by its
   // preprocess kernel, and its convert kernel writes dq (laid out like q) directly.
   // sm80: the accumulator is shaped like q (contiguous) and zeroed here (cudaMemsetAsync: no fill
   // kernel's host cost). Deterministic: one slice per key block of the main kernel, summed below

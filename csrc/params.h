@@ -152,7 +152,7 @@ struct BwdParams : FwdParams {
   int seqlen_q_padded;
   // Hopper backward only: dq_accum is instead (batch, heads_q, seqlen_q_padded / kBlockM) tiles of
   // kBlockM x kernel-head-dim floats, each in the consumer threads' fragment order (see
-  // dq_accum_slot in sm90/bwd_kernel.cuh), zeroed by the preprocess kernel; the dQ convert kernel
+  // dq_accum_slot in sm90/bwd_pre_post_kernels.cuh), zeroed by the preprocess kernel; the dQ convert kernel
   // writes dq (input dtype, laid out like q) from it.
   void* __restrict__ dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
