@@ -3,6 +3,7 @@
 #include "tuning/heuristics.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "decode/decode_params.h"
 #include "dispatch/bwd_dispatch.h"
@@ -189,8 +190,9 @@ BwdTile bwd_sm80_pick_tile(int kernel_head_dim) {
 
 // Group loop against expanded buffers, in units of one step (a kBlockM x kBlockN block of one
 // query head; both schedules run the same steps). The kernel's time is estimated as its CTAs'
-// makespan on one CTA per SM: the longest CTA when the grid is one wave, else the steps spread
-// over the SMs plus half a longest CTA of tail. Looping multiplies every CTA's length by the
+// makespan on one CTA per SM: CTAs of one length (no mask) run in whole waves; uneven ones take
+// the longest CTA when the grid is one wave, else the steps spread over the SMs plus half a
+// longest CTA of tail. Looping multiplies every CTA's length by the
 // group and divides their number by it, so it loses where the grid is short of waves and the CTAs
 // uneven: causal 4 x 2048, 8 / 2 heads, d = 128 has 128 looped CTAs of 8 to 128 steps, against
 // 512 expanded ones that spread 8704 steps over 132 SMs (~66 each). Expanded pays the bytes: the
@@ -206,7 +208,7 @@ bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kd, const DeviceInfo& dev,
   // Query blocks per key block: the kernel's range (common/mask.h BlockMask::query_block_range).
   // FlashMask may skip more; the estimate keeps the window's.
   int64_t head_steps = 0;
-  int longest = 0;
+  int longest = 0, shortest = m_blocks;
   const int shift = p.seqlen_k - p.seqlen_q;
   for (int n = 0; n < n_blocks; ++n) {
     int m_min = 0, m_max = m_blocks;
@@ -218,11 +220,13 @@ bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kd, const DeviceInfo& dev,
     const int len = std::max(0, m_max - m_min);
     head_steps += len;
     longest = std::max(longest, len);
+    shortest = std::min(shortest, len);
   }
   const int64_t units = int64_t(p.batch) * p.heads_kv;  // (KV head, batch) pairs
   const double sms = dev.sms > 0 ? dev.sms : 132;
   const double total = double(head_steps) * double(units) * group;
   auto makespan = [&](int64_t ctas, double longest_cta) {
+    if (shortest == longest) return std::ceil(double(ctas) / sms) * longest_cta;
     return ctas <= sms ? longest_cta : std::max(longest_cta, total / sms + longest_cta / 2);
   };
   const double loop = makespan(n_blocks * units, double(group) * longest);
