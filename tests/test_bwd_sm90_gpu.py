@@ -92,7 +92,8 @@ def test_sm90_gqa_schedules_agree(d, kw, tuning):
         grads[schedule] = flash_fwd_bwd(q, k, v, dout, **kw)[2:]
     for name, a, b in zip(("dq", "dk", "dv"), grads["expand"], grads["loop"]):
         assert not b.isnan().any(), name
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=name)
+        rel = (a.float() - b.float()).norm() / b.float().norm()
+        assert rel < 1e-2, f"{name}: schedules differ by {rel:.2e} (relative norm)"
 
 
 @requires_sm90
