@@ -23,6 +23,7 @@ SWITCHES = {  # name -> (default, another allowed value)
     "FLASH_EXT_BWD_VARIANT": ("2", "1"),
     "FLASH_EXT_BWD_SMALL_TILE": ("0", "1"),
     "FLASH_EXT_DECODE_RING": ("auto", "6"),
+    "FLASH_EXT_SM90_BWD_GQA": ("auto", "loop"),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

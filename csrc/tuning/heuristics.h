@@ -103,6 +103,17 @@ BwdTile choose_bwd_sm80_tile(int kernel_head_dim, const DeviceInfo& dev, const T
 // The same on the current device with the overrides in force (the launcher's entry point).
 BwdTile bwd_sm80_pick_tile(int kernel_head_dim);
 
+// ---------------------------------------------------------------------------------------------
+// Hopper backward
+// ---------------------------------------------------------------------------------------------
+
+// GQA/MQA (heads_q > heads_kv): true for one CTA per (key block, KV head, batch) that walks its
+// group's query heads, summing dK and dV in registers and writing them once (BwdParams::
+// sm90_gqa_loop); false for one CTA per query head into expanded buffers summed afterwards.
+// The estimate (heuristics.cpp) weighs the loop's longer CTAs against the expanded buffers' bytes.
+bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kernel_head_dim, const DeviceInfo& dev,
+                              const TuningOverrides& o);
+
 // Flash-Decoding's launch (docs/design-flash-decoding.md 2.1): how many splits of the keys, and
 // the ring's depth (decode/decode_params.h).
 struct DecodeConfig {

@@ -23,6 +23,7 @@ enum Switch {
   kBwdVariant,
   kBwdSmallTile,
   kDecodeRing,
+  kSm90BwdGqa,
   kSwitches
 };
 
@@ -41,6 +42,7 @@ constexpr SwitchSpec kSpecs[kSwitches] = {
     {"FLASH_EXT_BWD_VARIANT", {"2", "1", nullptr, nullptr}},
     {"FLASH_EXT_BWD_SMALL_TILE", {"0", "1", nullptr, nullptr}},
     {"FLASH_EXT_DECODE_RING", {"auto", "2", "4", "6", nullptr}},
+    {"FLASH_EXT_SM90_BWD_GQA", {"auto", "expand", "loop", nullptr}},
 };
 
 // The index of `value` among the switch's spellings ("" = the default); raises on others.
@@ -88,7 +90,7 @@ Store& store() {
 
 PathChoice path_of(int i) { return i == 1 ? PathChoice::kSm80 : i == 2 ? PathChoice::kSm90 : PathChoice::kAuto; }
 
-// auto | 0 | 1 and auto | base | alt: index 0 is auto (-1), then 0 and 1.
+// auto | 0 | 1, auto | base | alt and auto | expand | loop: index 0 is auto (-1), then 0 and 1.
 int tristate_of(int i) { return i - 1; }
 
 }  // namespace
@@ -106,6 +108,7 @@ TuningOverrides tuning_overrides() {
   o.bwd_small_tile = at(kBwdSmallTile) == 1;
   constexpr int kRings[] = {0, 2, 4, 6};  // auto, then the spellings' depths
   o.decode_ring = kRings[at(kDecodeRing)];
+  o.sm90_bwd_gqa = tristate_of(at(kSm90BwdGqa));
   return o;
 }
 
