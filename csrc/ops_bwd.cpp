@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // each part starting on a 256-byte boundary: D = rowsum(dO * O) and, for the Hopper kernel,
   // lse * log2(e) (both (batch, heads_q, seqlen_q rounded up), filled by its preprocess kernel;
   // the sm80 kernels' D is laid out like lse), then the dQ accumulator.
-  // Hopper: the accumulator's tiles (BwdParams::dq, sm90/bwd_kernel.cuh) are zeroed by its
+  // Hopper: the accumulator's tiles (BwdParams::dq, sm90/bwd_pre_post_kernels.cuh) are zeroed by its
   // preprocess kernel, and its convert kernel writes dq (laid out like q) directly.
   // sm80: the accumulator is shaped like q (contiguous) and zeroed here (cudaMemsetAsync: no fill
   // kernel's host cost). Deterministic: one slice per key block of the main kernel, summed below
@@ -125,9 +125,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   }
 
   // dK, dV in the input dtype. GQA/MQA: the kernel writes one gradient per query head into
-  // expanded (.., heads_q, d) buffers, summed over each group of heads_q / heads_kv below.
-  // Expanded, both live in one buffer (dK then dV), so that one reduction sums both.
-  const bool expand = s.heads_q != s.heads_kv;
+  // expanded (.., heads_q, d) buffers, summed over each group of heads_q / heads_kv below, unless
+  // the Hopper kernel loops over the group (tuning/heuristics.h choose_sm90_bwd_gqa_loop) and
+  // writes (.., heads_kv, d) directly. Expanded, both live in one buffer (dK then dV), so that one
+  // reduction sums both.
+  p.sm90_gqa_loop = sm90 && choose_sm90_bwd_gqa_loop(p, kernel.kernel_head_dim, dev, overrides);
+  const bool expand = s.heads_q != s.heads_kv && !p.sm90_gqa_loop;
   std::vector<int64_t> kv_shape(k.sizes().begin(), k.sizes().end());
   if (expand) kv_shape[kv_shape.size() - 2] = s.heads_q;
   std::vector<int64_t> pair_shape(kv_shape);

@@ -269,9 +269,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   const int64_t m_blocks = (p.packed_rows + kDecodeBlockM - 1) / kDecodeBlockM;
   const int64_t ctas_per_sm = std::max<int64_t>(
       1, std::min<int64_t>(8, (dev.smem_optin_bytes + 1024) / (decode_smem_bytes(kd, kDecodeStagesShallow) + 1024)));
-  const bool deep_fits = dev.smem_optin_bytes >= decode_smem_bytes(kd, kDecodeStagesDeep);
   const DecodeConfig config = choose_decode_config(
-      int(num_splits), batch * heads_kv * m_blocks, dev.sms, int64_t(dev.sms) * ctas_per_sm, deep_fits,
+      int(num_splits), batch * heads_kv * m_blocks, dev.sms, int64_t(dev.sms) * ctas_per_sm,
+      decode_deepest_ring(kd, int(dev.smem_optin_bytes)),
       block_table.has_value(), (c.capacity + decode_block_n(kd) - 1) / decode_block_n(kd), tuning_overrides().decode_ring);
   p.num_splits = config.splits;
   p.ring_stages = config.ring_stages;

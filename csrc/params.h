@@ -137,9 +137,10 @@ struct BwdParams : FwdParams {
   int64_t dqa_batch_stride, dqa_row_stride, dqa_head_stride;
   int64_t dq_split_stride;
 
-  // dK and dV in the input dtype, indexed by the *query* head: (batch, seqlen_k, heads_q, head_dim)
-  // or varlen (total_k, heads_q, head_dim). With heads_q == heads_kv these are the final gradients;
-  // for GQA/MQA they are expanded buffers that the caller sums over each group of query heads.
+  // dK and dV in the input dtype: (batch, seqlen_k, heads, head_dim) or varlen (total_k, heads,
+  // head_dim). With heads_q == heads_kv, or the Hopper backward's group loop (sm90_gqa_loop),
+  // heads = heads_kv and these are the final gradients; otherwise, for GQA/MQA, heads = heads_q:
+  // expanded buffers indexed by the query head that the caller sums over each group.
   void* __restrict__ dk;
   void* __restrict__ dv;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -151,12 +152,17 @@ struct BwdParams : FwdParams {
   int seqlen_q_padded;
   // Hopper backward only: dq_accum is instead (batch, heads_q, seqlen_q_padded / kBlockM) tiles of
   // kBlockM x kernel-head-dim floats, each in the consumer threads' fragment order (see
-  // dq_accum_slot in sm90/bwd_kernel.cuh), zeroed by the preprocess kernel; the dQ convert kernel
+  // dq_accum_slot in sm90/bwd_pre_post_kernels.cuh), zeroed by the preprocess kernel; the dQ convert kernel
   // writes dq (input dtype, laid out like q) from it.
   void* __restrict__ dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
 
   bool deterministic;
+  // Hopper backward, GQA/MQA: true runs one CTA per (key block, KV head, batch) that walks its
+  // group's query heads and writes dk / dv as (.., heads_kv, d) directly; false one CTA per query
+  // head into expanded (.., heads_q, d) buffers. Chosen by the host (tuning/heuristics.h
+  // choose_sm90_bwd_gqa_loop). Sits in the padding before `variant`: no field moves.
+  bool sm90_gqa_loop;
 
   // sm80 main-kernel variant: 2 = bwd_kernel_v2 (double-buffered Q/dO, the default; falls back
   // to 1 where it is not compiled or does not fit), 1 = bwd_kernel. Resolved by the host from the

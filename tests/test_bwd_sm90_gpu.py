@@ -53,6 +53,49 @@ def test_sm90_gqa(dtype, hkv, d, causal):
     run_case(2, 333, 333, 8, hkv, d, dtype, f"sm90 gqa hkv={hkv} d={d}", causal=causal)
 
 
+# GQA / MQA in both schedules of the Hopper backward (FLASH_EXT_SM90_BWD_GQA; auto chooses by
+# csrc/tuning/heuristics.cpp choose_sm90_bwd_gqa_loop): one CTA per query head into expanded dK,
+# dV buffers summed afterwards, or one CTA per KV head looping over its group's query heads.
+@requires_sm90
+@pytest.mark.parametrize("schedule", ["expand", "loop"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 2), (8, 1), (16, 2), (6, 2)])  # groups 2, 4, 8 (MQA), 8, 3
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(100, 30)), dict(window=(0, 0)),
+                                dict(softcap=5.0, causal=True)], ids=str)
+def test_sm90_gqa_schedules(schedule, dtype, d, hq, hkv, kw, tuning):
+    tuning.set("FLASH_EXT_SM90_BWD_GQA", schedule)
+    run_case(2, 333, 270, hq, hkv, d, dtype, f"sm90 gqa {schedule} {hq}/{hkv} d={d} {kw}", **kw)
+
+
+@requires_sm90
+@pytest.mark.parametrize("schedule", ["expand", "loop"])
+@pytest.mark.parametrize("sq,sk,causal", [(2048, 2048, True), (1500, 1400, False), (200, 900, True)])
+def test_sm90_gqa_schedules_long(schedule, sq, sk, causal, tuning):
+    """The transformers shape's heads (8 / 2, d = 128, bf16) over many query and key blocks."""
+    tuning.set("FLASH_EXT_SM90_BWD_GQA", schedule)
+    run_case(1, sq, sk, 8, 2, 128, torch.bfloat16, f"sm90 gqa {schedule} {sq}x{sk}", causal=causal)
+
+
+@requires_sm90
+@pytest.mark.parametrize("d,kw", [(64, dict(causal=True)), (128, dict()), (256, dict(window=(200, 0)))], ids=str)
+def test_sm90_gqa_schedules_agree(d, kw, tuning):
+    """Both schedules give the same gradients up to the rounding of the expanded buffers (the
+    loop sums the group in fp32 and rounds once, so it is the closer one to the reference)."""
+    q = torch.randn(2, 700, 8, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 650, 2, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 650, 2, d, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(q)
+    grads = {}
+    for schedule in ("expand", "loop"):
+        tuning.set("FLASH_EXT_SM90_BWD_GQA", schedule)
+        grads[schedule] = flash_fwd_bwd(q, k, v, dout, **kw)[2:]
+    for name, a, b in zip(("dq", "dk", "dv"), grads["expand"], grads["loop"]):
+        assert not b.isnan().any(), name
+        rel = (a.float() - b.float()).norm() / b.float().norm()
+        assert rel < 1e-2, f"{name}: schedules differ by {rel:.2e} (relative norm)"
+
+
 @requires_sm90
 @pytest.mark.parametrize("sq,sk,kw", [(64, 200, dict(window=(0, -1))), (300, 20, dict(causal=True))], ids=str)
 def test_sm90_rows_without_keys(sq, sk, kw):

@@ -16,6 +16,9 @@ Every test runs on each sm80 backward kernel that has the FlashMask mode: v1, v2
 tile (FLASH_EXT_BWD_SMALL_TILE=1), on the Hopper backward's FlashMask mode forced with
 FLASH_EXT_BWD_PATH=sm90 (sm90 GPUs only; not the varlen and deterministic tests, which that kernel
 does not run), plus the default dispatch (the Hopper backward on sm90 where it applies, else sm80).
+The GQA tests also run the Hopper backward with each GQA schedule forced (FLASH_EXT_SM90_BWD_GQA:
+expanded buffers, or one CTA per KV head looping over its group, whose FlashMask head is the
+group's: its KV head's bounds or the shared ones).
 """
 
 import math
@@ -28,14 +31,19 @@ from conftest import requires_cuda
 pytestmark = requires_cuda
 
 DTYPES = [torch.float16, torch.bfloat16]
-# (FLASH_EXT_BWD_PATH, FLASH_EXT_BWD_VARIANT, FLASH_EXT_BWD_SMALL_TILE) per fixture value.
-BWD_CONFIGS = {"sm80_v1": ("sm80", "1", "0"), "sm80_v2": ("sm80", "2", "0"),
-               "sm80_small": ("sm80", "1", "1"), "sm90": ("sm90", "2", "0"), "auto": ("auto", "2", "0")}
+# (FLASH_EXT_BWD_PATH, FLASH_EXT_BWD_VARIANT, FLASH_EXT_BWD_SMALL_TILE, FLASH_EXT_SM90_BWD_GQA)
+# per fixture value.
+BWD_CONFIGS = {"sm80_v1": ("sm80", "1", "0", "auto"), "sm80_v2": ("sm80", "2", "0", "auto"),
+               "sm80_small": ("sm80", "1", "1", "auto"), "sm90": ("sm90", "2", "0", "auto"),
+               "sm90_gqa_expand": ("sm90", "2", "0", "expand"), "sm90_gqa_loop": ("sm90", "2", "0", "loop"),
+               "auto": ("auto", "2", "0", "auto")}
 
 
 @pytest.fixture(autouse=True, params=list(BWD_CONFIGS), ids=lambda c: f"bwd_{c}")
 def bwd_config(request, tuning):
-    path, variant, small = BWD_CONFIGS[request.param]
+    path, variant, small, gqa = BWD_CONFIGS[request.param]
+    if gqa != "auto" and request.function.__name__ != "test_gqa":
+        pytest.skip("the GQA schedule matters only where heads_q > heads_kv (test_gqa)")
     if path == "sm90":
         if torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("the Hopper backward needs an sm90 GPU")
@@ -44,6 +52,7 @@ def bwd_config(request, tuning):
     tuning.set("FLASH_EXT_BWD_PATH", path)
     tuning.set("FLASH_EXT_BWD_VARIANT", variant)
     tuning.set("FLASH_EXT_BWD_SMALL_TILE", small)
+    tuning.set("FLASH_EXT_SM90_BWD_GQA", gqa)
     return request.param
 
 
@@ -247,12 +256,14 @@ def test_fully_masked_rows_and_unseen_keys(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
-@pytest.mark.parametrize("hkv,hm", [(2, 1), (2, 2), (1, 1)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+# groups 2, 4, 8 (MQA); bounds per KV head (hm = hkv) or shared (hm = 1)
+@pytest.mark.parametrize("hq,hkv,hm", [(4, 2, 2), (8, 2, 1), (8, 2, 2), (8, 1, 1), (16, 2, 2)])
 @pytest.mark.parametrize("causal,c", [(True, 2), (False, 4)])
-def test_gqa(dtype, hkv, hm, causal, c):
+def test_gqa(dtype, d, hq, hkv, hm, causal, c):
     sq, sk = 333, 400
     bl = [random_bounds(hm, sk, sq, c, causal) for _ in range(2)]
-    run([(sq, sk)] * 2, 8, hkv, hm, 128, dtype, bl, causal, label=f"gqa hkv={hkv} hm={hm}")
+    run([(sq, sk)] * 2, hq, hkv, hm, d, dtype, bl, causal, label=f"gqa {hq}/{hkv} hm={hm} d={d}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)

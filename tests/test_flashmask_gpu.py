@@ -418,3 +418,111 @@ def test_cuda_graph_replay_with_new_bounds():
         torch.cuda.synchronize()
         want = flash_ext.flashmask_attention(q, k, v, sri.clone())
         assert torch.equal(out, want), lens
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper forward at d = 256 (sm90/fwd_mask.h FlashMaskPolicyLowRegs on the 128 x 64 tile),
+# forced. The backward runs as auto chooses.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hopper_d256(tuning):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper forward needs an sm90 GPU")
+    tuning.set("FLASH_EXT_FWD_PATH", "sm90")
+    return "sm90"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("causal,c", CASES)
+@pytest.mark.parametrize("sq,sk", [(300, 300), (200, 333), (700, 650)])
+def test_hopper_d256_random_bounds(hopper_d256, dtype, causal, c, sq, sk):
+    """Random bounds: nearly every block partial, key counts that end inside a block."""
+    q, k, v = qkv(2, sq, sk, 4, 2, 256, dtype)
+    run_batched(q, k, v, random_bounds(2, 2, sq, sk, causal, c), causal,
+                f"sm90 d=256 {dname(dtype)} causal={causal} C={c} {sq}x{sk}",
+                backward=False)
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_hopper_d256_builders(hopper_d256, name):
+    """Structured masks: skipped, full and partial blocks side by side, walked by next_block."""
+    s = 1000
+    sri, causal = _builders(s)[name]
+    q, k, v = qkv(1, s, s, 4, 2, 256, torch.bfloat16)
+    run_batched(q, k, v, sri.expand(1, 2, s, sri.shape[-1]).contiguous(), causal,
+                f"sm90 d=256 {name}", backward=False)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1), (8, 2)])
+@pytest.mark.parametrize("hm_is_hkv", [False, True], ids=["hm1", "hm_hkv"])
+def test_hopper_d256_gqa_and_mask_heads(hopper_d256, hq, hkv, hm_is_hkv):
+    hm = hkv if hm_is_hkv else 1
+    q, k, v = qkv(2, 211, 211, hq, hkv, 256, torch.bfloat16)
+    run_batched(q, k, v, random_bounds(2, hm, 211, 211, True, 1), True,
+                f"sm90 d=256 hq={hq} hkv={hkv} hm={hm}", backward=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("causal,c", CASES)
+def test_hopper_d256_softcap(hopper_d256, dtype, causal, c):
+    q, k, v = qkv(1, 170, 170, 2, 2, 256, dtype)
+    q, k = q * 3, k * 3  # scores large enough for the cap to matter
+    run_batched(q, k, v, random_bounds(1, 2, 170, 170, causal, c), causal,
+                f"sm90 d=256 softcap {dname(dtype)} causal={causal} C={c}",
+                softcap=30.0, backward=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+def test_hopper_d256_fully_masked_rows_and_batches(hopper_d256, dtype):
+    s = 260
+    sri = torch.full((3, 1, s, 1), s, dtype=torch.int32, device="cuda")
+    sri[0, 0, :, 0] = torch.arange(1, s + 1, device="cuda").clamp(max=200)  # rows >= 200: none
+    sri[1] = 0  # batch row 1: every row masked
+    q, k, v = qkv(3, s, s, 2, 1, 256, dtype)
+    out, lse = flash_ext.flashmask_attention(q, k, v, sri, return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[0, 200:] == 0).all() and torch.isneginf(lse[0, :, 200:]).all()
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    assert torch.isfinite(lse[0, :, :200]).all() and torch.isfinite(lse[2]).all()
+    ref, ref_lse = attention_ref(q.float(), k.float(), v.float(), causal=True,
+                                 attn_mask=flashmask_visible(sri, s, True))
+    pt, _ = attention_ref(q, k, v, causal=True, attn_mask=flashmask_visible(sri, s, True),
+                          upcast=False)
+    check("out", out, ref, pt, f"sm90 d=256 fully masked")
+    check_lse(lse, ref_lse, f"sm90 d=256 fully masked")
+
+
+def test_hopper_d256_alt_tile_request_keeps_the_base_tile(hopper_d256, tuning):
+    """FLASH_EXT_SM90_FWD_TILE=alt does not reach FlashMask calls (the 128 x 80 tile has no
+    FlashMask kernel): the same result, bit for bit, as the base tile."""
+    s = 700
+    sri, causal = M.causal_document([s // 5, 0, 1, s // 3], s, device="cuda")
+    q, k, v = qkv(1, s, s, 4, 2, 256, torch.bfloat16)
+    sri = sri.expand(1, 2, s, sri.shape[-1]).contiguous()
+    outs = []
+    for tile in ("base", "alt"):
+        tuning.set("FLASH_EXT_SM90_FWD_TILE", tile)
+        outs.append(flash_ext.flashmask_attention(q, k, v, sri, causal=causal, return_lse=True))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_d256_auto_runs_the_hopper_forward(tuning):
+    """auto routes a d = 256 FlashMask forward to the Hopper kernel: bit-equal to the forced
+    sm90 path (the sm80 kernel adds in another order)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper forward needs an sm90 GPU")
+    s = 1000
+    sri, causal = M.shared_question(s // 4, [s // 8] * 5, s, device="cuda")
+    q, k, v = qkv(1, s, s, 4, 2, 256, torch.bfloat16)
+    sri = sri.expand(1, 2, s, sri.shape[-1]).contiguous()
+    outs = {}
+    for path in ("auto", "sm90", "sm80"):
+        tuning.set("FLASH_EXT_FWD_PATH", path)
+        outs[path] = flash_ext.flashmask_attention(q, k, v, sri, causal=causal, return_lse=True)
+    assert torch.equal(outs["auto"][0], outs["sm90"][0])
+    assert torch.equal(outs["auto"][1], outs["sm90"][1])
+    # else the test could not tell the kernels apart
+    assert not (torch.equal(outs["sm90"][0], outs["sm80"][0]) and torch.equal(outs["sm90"][1], outs["sm80"][1]))
+    torch.testing.assert_close(outs["sm90"][0], outs["sm80"][0], atol=2e-2, rtol=2e-2)

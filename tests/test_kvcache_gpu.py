@@ -141,12 +141,13 @@ def _grid_cases(n=40, seed=2026):
     return cases
 
 
-# The decode kernel's ring depth (FLASH_EXT_DECODE_RING): auto picks the deep ring for the
-# small grids of most tests here, so the shallow one is forced too.
-RINGS = ["auto", "2", "4"]
+# The decode kernel's ring depth (FLASH_EXT_DECODE_RING): auto picks a deep ring for the small
+# grids of most tests here, so every depth is forced too (a depth that does not fit the device
+# runs the deepest that does: 6 is covered on an H100 / H200, not on an A100).
+RINGS = ["auto", "2", "4", "6"]
 
 
-@pytest.mark.parametrize("ring", ["auto", "2"])
+@pytest.mark.parametrize("ring", RINGS)
 @pytest.mark.parametrize("case, num_splits", _grid_cases())
 def test_grid(case, num_splits, ring, tuning):
     tuning.set("FLASH_EXT_DECODE_RING", ring)
@@ -160,6 +161,24 @@ def test_num_splits_agree(num_splits, ring, tuning):
     tuning.set("FLASH_EXT_DECODE_RING", ring)
     kw = make_case(b=2, sq=1, hq=32, hkv=8, d=128, capacity=4096, s_new=1, dtype=torch.bfloat16,
                    causal=True, seed=11)
+    run_and_check(kw, num_splits)
+
+
+@pytest.mark.parametrize("ring", ["2", "4", "6"])
+@pytest.mark.parametrize("page_size", [None, 16, 48, 64, 256])
+@pytest.mark.parametrize("num_splits", [1, 3, 0, 128])
+@pytest.mark.parametrize("window", [(-1, -1), (150, 0)])
+def test_rings_pages_ragged(ring, page_size, num_splits, window, tuning):
+    """Every ring depth over contiguous and paged caches (a paged cache's page numbers are staged
+    a full ring ahead: decode/kv_block_loader.h), pages that divide the 64-key blocks and pages
+    (48) that straddle them, with sequences of fewer key blocks than the ring (1 and 71 keys),
+    splits of a block or two and empty splits (128 splits), and a window whose first visible
+    block is not the sequence's first."""
+    tuning.set("FLASH_EXT_DECODE_RING", ring)
+    capacity = 1920 if page_size == 48 else 2048
+    kw = make_case(b=4, sq=1, hq=8, hkv=2, d=128, capacity=capacity, page_size=page_size, s_new=1,
+                   dtype=torch.bfloat16, window_size=window, seed=70 + num_splits)
+    kw["cache_seqlens"] = torch.tensor([0, 70, 383, capacity - 1], dtype=torch.int32)
     run_and_check(kw, num_splits)
 
 

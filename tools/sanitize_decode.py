@@ -1,8 +1,8 @@
 """A few flash_attn_with_kvcache calls for compute-sanitizer (memcheck / racecheck / synccheck):
 appends with rotary into contiguous and paged caches, splits forced and automatic, GQA, causal,
-local, ALiBi, left padding, ragged lengths.
+local, ALiBi, left padding, ragged lengths. The ring depth comes from FLASH_EXT_DECODE_RING.
 
-    compute-sanitizer --tool memcheck python tools/sanitize_decode.py
+    FLASH_EXT_DECODE_RING=6 compute-sanitizer --tool memcheck python tools/sanitize_decode.py
 """
 import torch
 
@@ -13,13 +13,13 @@ def main():
     torch.manual_seed(0)
     dt, dev = torch.bfloat16, "cuda"
     b, hq, hkv, d, cap = 3, 8, 2, 128, 640
-    for paged in (False, True):
+    for page in (None, 16, 64):  # pages of 16: four per 64-key block
+        paged = page is not None
         for splits in (1, 0, 5):
             q = torch.randn(b, 2, hq, d, device=dev, dtype=dt)
             k = torch.randn(b, 2, hkv, d, device=dev, dtype=dt)
             v = torch.randn(b, 2, hkv, d, device=dev, dtype=dt)
             if paged:
-                page = 64
                 kc = torch.randn(b * cap // page, page, hkv, d, device=dev, dtype=dt)
                 vc = torch.randn_like(kc)
                 table = torch.randperm(b * cap // page, device=dev, dtype=torch.int32).view(b, cap // page)

@@ -13,8 +13,9 @@
 // block with its own online softmax, and the warps merge once through shared memory at the end.
 // Blocks stream through a ring of kStages (K, V) slots with cp.async, kStages - 1 blocks in flight
 // while one is computed; Q's fragments stay in registers up to d = 128. The shallow ring (2) takes
-// 68 KB at d = 128: 3 CTAs per SM on an H100, for grids that fill the GPU; the deep one (4), 132
-// KB: one CTA per SM with 3 blocks in flight, for small grids (few sequences and KV heads).
+// 68 KB at d = 128: 3 CTAs per SM on an H100, for grids that fill the GPU; the deep ones (4: 132
+// KB, 6: 196 KB) run one CTA per SM with 3 or 5 blocks in flight, for small grids (few sequences
+// and KV heads). A paged cache's page numbers are staged a full ring ahead (decode/kv_block_loader.h).
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -24,58 +25,14 @@
 #include "common/rotary.h"
 #include "common/softmax.h"
 #include "decode/decode_params.h"
+#include "decode/decode_traits.h"
+#include "decode/kv_block_loader.h"
 #include "decode/split_merge.h"
 #include "sm80/gemm.h"
 
 namespace flash_ext::decode {
 
 using namespace cute;
-
-// The warps of a CTA split each key block (16 keys each) and keep their own softmax state,
-// merged once at the end; a ring of kStages blocks (K and V) in shared memory.
-template <int kHeadDim_, typename Element_, int kStages_>
-struct DecodeTraits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kDecodeBlockM;
-  static constexpr int kBlockN = decode_block_n(kHeadDim);
-  static constexpr int kWarps = kBlockN / 16;
-  static constexpr int kNThreads = 32 * kWarps;
-  static constexpr int kWarpKeys = kBlockN / kWarps;
-  static constexpr int kStages = kStages_;
-  // CTAs per SM the registers must allow: as many as shared memory holds on an H100.
-  static constexpr int kMinBlocksPerSm = kStages > kDecodeStagesShallow ? 1 : (kHeadDim <= 128 ? 3 : 2);
-  static_assert(kWarpKeys == 16, "one 16-key MMA tile per warp and block");
-
-  using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
-                                   SM80_16x8x16_F32BF16BF16F32_TN>;
-  using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;  // one warp
-
-  static constexpr int kSmemRowChunk = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kSwizzleBits = kSmemRowChunk == 64 ? 3 : 2;
-  using SmemAtom = decltype(composition(Swizzle<kSwizzleBits, 3, 3>{},
-                                        Layout<Shape<_8, Int<kSmemRowChunk>>, Stride<Int<kSmemRowChunk>, _1>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
-                                            make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
-  static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
-  static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
-  // Q | ring of kStages x (K, V); the end-of-loop merge reuses the ring (fp32 O, max, sum per warp).
-  static constexpr int kSmemBytes = (kSmemQElems + kStages * 2 * kSmemKVElems) * int(sizeof(Element));
-  static_assert(kWarps * kBlockM * (kHeadDim + 2) * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)));
-  static_assert(kBlockM * kDecodeMaxSplits * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)),
-                "the split merge's weights fit the ring");
-
-  using S2RCopyQK = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
-  using S2RCopyVt = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
-  static constexpr int kVec = 16 / sizeof(Element);
-  static constexpr int kThreadsPerRow = kSmemRowChunk / kVec;
-  using GmemTiledCopy = decltype(make_tiled_copy(
-      Copy_Atom<UniversalCopy<uint128_t>, Element>{},
-      Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>{},
-      Layout<Shape<_1, Int<kVec>>>{}));
-};
 
 // Tokens in the cache of sequence b before this call's append.
 __device__ __forceinline__ int decode_cached_len(const DecodeParams& p, int b) {
@@ -145,7 +102,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   };
 
   const Element* q_base = static_cast<const Element*>(p.q) + batch * p.q_batch_stride;
-  const int cache_row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
   const Element* k_base = static_cast<const Element*>(p.k) + head_kv * p.k_head_stride;
   const Element* v_base = static_cast<const Element*>(p.v) + head_kv * p.v_head_stride;
   auto row_token = [&](int r) { return (row0 + r) / p.group; };
@@ -165,55 +121,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     return make_tensor(make_smem_ptr(ring + (slot * 2 + 1) * Traits::kSmemKVElems), typename Traits::SmemLayoutVt{});
   };
 
-  // K and V of key block n into a ring slot, row by row (each row's own slot address: paged or
-  // not); slots past L, rows of pages outside [0, num_pages) and columns past head_dim are
-  // zero-filled. Paged caches: the pages of this thread's rows are looked up one block ahead
-  // (lookup_pages), so the block-table load is not in the copies' address chain, and one lookup
-  // serves K and V; a power-of-two page size divides by shift and mask.
+  // K and V of key block n into ring slot n % kStages (decode/kv_block_loader.h); a paged cache's
+  // page numbers of block n are staged in page slot n % kPageSlots (n relative to the split's
+  // first block) with the copies of block n - (kStages - 1).
   typename Traits::GmemTiledCopy gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
-  Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  constexpr int kLoadRows = decltype(size<1>(gmem_thr.partition_D(sK(0))))::value;
-  const bool paged = p.block_table != nullptr;
-  const bool page_pow2 = (p.page_size & (p.page_size - 1)) == 0;
-  const int page_shift = __ffs(p.page_size) - 1;
-  const int* table = paged ? p.block_table + int64_t(batch) * p.block_table_batch_stride : nullptr;
-  int pages[kLoadRows];
-  auto lookup_pages = [&](int n_block) {
-    if (!paged) return;
-    CUTE_UNROLL
-    for (int m = 0; m < kLoadRows; ++m) {
-      const int key = n_block * kBlockN + get<0>(tKVc(0, m, 0));
-      pages[m] = key < L ? table[page_pow2 ? key >> page_shift : key / p.page_size] : -1;
-    }
-  };
-  auto load_rows = [&](auto dst, const Element* base, int64_t batch_stride, int64_t row_stride, int n_block) {
-    CUTE_UNROLL
-    for (int m = 0; m < kLoadRows; ++m) {
-      const int key = n_block * kBlockN + get<0>(tKVc(0, m, 0));
-      const Element* row = nullptr;
-      if (key < L) {
-        if (!paged) {
-          row = base + cache_row * batch_stride + int64_t(key) * row_stride;
-        } else if (pages[m] >= 0 && pages[m] < p.num_pages) {
-          const int in_page = page_pow2 ? key & (p.page_size - 1) : key % p.page_size;
-          row = base + pages[m] * batch_stride + int64_t(in_page) * row_stride;
-        }
-      }
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(dst); ++k) {
-        const int col = get<1>(tKVc(0, m, k));
-        const bool ok = row != nullptr && col < p.head_dim;
-        cp_async_16_zfill(&dst(0, m, k), ok ? row + col : base, ok);
-      }
-    }
-  };
-  // Loads block n_block (whose pages lookup_pages fetched) and looks up the pages of the block
-  // after it, which the next call loads.
-  auto load_stage = [&](int slot, int n_block) {
-    load_rows(gmem_thr.partition_D(sK(slot)), k_base, p.k_batch_stride, p.k_row_stride, n_block);
-    load_rows(gmem_thr.partition_D(sV(slot)), v_base, p.v_batch_stride, p.v_row_stride, n_block);
-    if (n_block + 1 < n_end) lookup_pages(n_block + 1);
+  const KvBlockLoader<Traits> loader(p, tid, L, batch, __ffs(p.page_size) - 1,
+                                     reinterpret_cast<int*>(smem_raw + Traits::kSmemPagesOffsetBytes));
+  auto load_stage = [&](int j) {  // block j of the split
+    const int slot = j % kStages, page_slot = j % Traits::kPageSlots;
+    loader.load_rows(gmem_thr.partition_D(sK(slot)), k_base, p.k_batch_stride, p.k_row_stride, n_begin + j, page_slot);
+    loader.load_rows(gmem_thr.partition_D(sV(slot)), v_base, p.v_batch_stride, p.v_row_stride, n_begin + j, page_slot);
+    const int ahead = j + kStages - 1;  // its pages go with this block's group
+    if (ahead < n_count) loader.stage_pages(ahead % Traits::kPageSlots, n_begin + ahead, tid);
   };
 
   // Each warp: S_w = Q K_w^T over its 16 keys of the block, its own online softmax, O_w += P_w V_w.
@@ -315,11 +235,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         cp_async_16_zfill(&sQ(r, col), ok ? q_row + col : q_base, ok);
       }
     }
-    // The ring's first kStages - 1 blocks (a group each; Q goes with the first).
-    lookup_pages(n_begin);
+    // Paged: the pages of the ring's first kStages - 1 blocks, in one round trip with Q's loads.
+    if (loader.paged()) {
+      if (tid < (kStages - 1) * Traits::kPagesPerBlock && tid / Traits::kPagesPerBlock < n_count) {
+        loader.stage_page(tid / Traits::kPagesPerBlock, n_begin + tid / Traits::kPagesPerBlock,
+                          tid % Traits::kPagesPerBlock);
+      }
+      cp_async_fence();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    // The ring's first kStages - 1 blocks (a group each; Q goes with the first unless paged).
     CUTE_UNROLL
     for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_count) load_stage(s, n_begin + s);
+      if (s < n_count) load_stage(s);
       cp_async_fence();
     }
     for (int j = 0; j < n_count; ++j) {
@@ -329,8 +258,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         auto s2r_q_thr = s2r_q.get_thread_slice(lane);
         copy(s2r_q, s2r_q_thr.partition_S(sQ), s2r_q_thr.retile_D(tSrQ));
       }
-      const int next = j + kStages - 1;
-      if (next < n_count) load_stage(next % kStages, n_begin + next);
+      if (j + kStages - 1 < n_count) load_stage(j + kStages - 1);
       cp_async_fence();
       if (j == 0) {
         step(0, n_begin, cute::true_type{});

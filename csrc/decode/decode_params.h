@@ -77,26 +77,48 @@ struct DecodeParams {
   float* lse_partial = nullptr;
   int* split_arrivals = nullptr;
 
-  // Depth of the kernel's shared-memory ring of key blocks: kDecodeStagesShallow (several CTAs
-  // per SM, for grids that fill the GPU) or kDecodeStagesDeep (one CTA per SM with more blocks
-  // in flight, for small grids), chosen by tuning/heuristics.cpp.
+  // Depth of the kernel's shared-memory ring of key blocks, one of kDecodeRingDepths: the shallow
+  // ring (several CTAs per SM, for grids that fill the GPU) or a deep one (one CTA per SM with
+  // more blocks in flight, for small grids), chosen by tuning/heuristics.cpp.
   int ring_stages = 2;
 };
 
 // Rows of one decode tile (packed (token, query head) pairs) and the depths of the shared-memory
 // ring; keys per block by kernel head dim kd: 64 (4 warps of 16 keys), 32 at kd = 256 (2 warps),
-// so that the shallow ring fits the 99 KB of sm86 / sm89.
+// so that the shallow ring fits the 99 KB of sm86 / sm89. The ring depths compiled: 2 (3 CTAs per
+// SM at kd <= 128 on an H100), 4 (one CTA per SM; fits an A100's 163 KB) and 6 (one CTA per SM;
+// fits an H100's 227 KB at every kd).
 constexpr int kDecodeBlockM = 16;
 constexpr int kDecodeStagesShallow = 2;
 constexpr int kDecodeStagesDeep = 4;
+constexpr int kDecodeStagesDeeper = 6;
+constexpr int kDecodeRingDepths[] = {kDecodeStagesShallow, kDecodeStagesDeep, kDecodeStagesDeeper};
 constexpr int kDecodeMaxSplits = 128;
 constexpr int decode_block_n(int kd) { return kd > 128 ? 32 : 64; }
 
+// Paged caches: a key block spans at most block_n / 16 pages (pages are multiples of 16 keys, and
+// blocks start at multiples of block_n). Their numbers are staged in shared memory stages - 1
+// blocks ahead of the block's own loads (decode/kv_block_loader.h), in 2 * stages - 2 slots: the
+// ring's prologue stages the pages of blocks 0 .. 2 * stages - 3 before any is read.
+constexpr int decode_pages_per_block(int kd) { return decode_block_n(kd) / 16; }
+constexpr int decode_page_slots(int stages) { return 2 * stages - 2; }
+
 // Shared memory of the decode kernel of kernel head dim kd (2-byte elements) with a ring of
-// `stages` blocks: Q (16 x kd) and the ring of K and V blocks; checked against the kernel's traits
-// where it is compiled.
+// `stages` blocks: Q (16 x kd), the ring of K and V blocks and the page-number slots; checked
+// against the kernel's traits where it is compiled.
 constexpr int decode_smem_bytes(int kd, int stages) {
-  return (kDecodeBlockM + stages * 2 * decode_block_n(kd)) * kd * 2;
+  return (kDecodeBlockM + stages * 2 * decode_block_n(kd)) * kd * 2 +
+         decode_page_slots(stages) * decode_pages_per_block(kd) * 4;
+}
+
+// The deepest compiled ring whose CTA fits `smem_optin_bytes` of shared memory (the shallow ring
+// if none does: the launch then reports the error).
+constexpr int decode_deepest_ring(int kd, int smem_optin_bytes) {
+  int best = kDecodeStagesShallow;
+  for (int stages : kDecodeRingDepths) {
+    if (decode_smem_bytes(kd, stages) <= smem_optin_bytes && stages > best) best = stages;
+  }
+  return best;
 }
 
 }  // namespace flash_ext

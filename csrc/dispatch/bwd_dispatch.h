@@ -24,5 +24,7 @@ constexpr int kBwdSm90PadRows = 128;
 // Key-block size of the Hopper backward's tile for a kernel head dim (sm90/bwd_launch.cuh checks
 // its traits against it): FlashMask's key-block summaries are made for this block size.
 constexpr int sm90_bwd_block_n(int kernel_head_dim) { return kernel_head_dim <= 128 ? 128 : 64; }
+// Query rows per step of its loop (the GQA schedule's work estimate, tuning/heuristics.cpp).
+constexpr int sm90_bwd_block_m(int kernel_head_dim) { return kernel_head_dim <= 64 ? 128 : 64; }
 
 }  // namespace flash_ext

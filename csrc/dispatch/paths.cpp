@@ -49,13 +49,13 @@ KernelPath resolve(PathChoice forced, bool sm90_ok) {
 // The error of a forced Hopper path that cannot run a FlashMask call.
 void reject_forced_sm90_flashmask(const char* knob) {
   raise_error(std::string("flash_ext: ") + knob + "=sm90 cannot run this FlashMask call (startend_row_indices): "
-              "the Hopper kernels have FlashMask in the forward up to head dim 192 only; unset " + knob +
+              "the Hopper kernels have no FlashMask mode for this head dim in this build; unset " + knob +
               " (such calls run the sm80 kernels)");
 }
 
 }  // namespace
 
-bool flashmask_on_sm90_fwd(int sm90_kernel_head_dim) { return sm90_kernel_head_dim != 0 && sm90_kernel_head_dim <= 192; }
+bool flashmask_on_sm90_fwd(int sm90_kernel_head_dim) { return sm90_kernel_head_dim != 0; }
 bool flashmask_on_sm90_bwd(int sm90_kernel_head_dim) { return sm90_kernel_head_dim != 0; }
 
 bool tma_compatible(const FwdParams& p) {

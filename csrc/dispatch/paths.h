@@ -24,8 +24,8 @@ struct KernelChoice {
 bool tma_compatible(const FwdParams& p);
 
 // FlashMask (p.has_flashmask) on the Hopper kernels: the forward has a FlashMask mask policy
-// (sm90/fwd_mask.h) for its kernels of head dim <= 192 (at 256 its consumers would spill); the
-// backward has a FlashMask mode in its windowed variant for every head dim it has (sm90/bwd_flashmask.h).
+// (sm90/fwd_mask.h; at d = 256 its low-register form) for every head dim it has; the backward
+// has a FlashMask mode in its windowed variant for every head dim it has (sm90/bwd_flashmask.h).
 // Where these say false, FlashMask calls run the sm80 kernels, and
 // FLASH_EXT_FWD_PATH / BWD_PATH=sm90 with bounds is an error.
 bool flashmask_on_sm90_fwd(int sm90_kernel_head_dim);

@@ -1,10 +1,7 @@
 // Hopper backward (the FlashAttention-2 dQ/dK/dV algorithm on wgmma + TMA, warp-specialized).
 //
-// Two kernels (docs/kernels-sm90-bwd.md):
-//   bwd_preprocess_kernel  D = rowsum(dO * O) and lse * log2(e) per query row, written into
-//                          buffers padded to a multiple of kBlockM rows (pad: D = 0, lse = +inf,
-//                          so padded rows give P = 0 and need no mask), and the layout the
-//                          main kernel bulk-copies (16-byte aligned rows); zeroes dq_accum.
+// Three kernels (docs/kernels-sm90-bwd.md); the preprocess and dQ convert kernels are in
+// sm90/bwd_pre_post_kernels.cuh:
 //   bwd_kernel             one CTA per (key block, head, batch): a producer warp loads K, V once
 //                          and streams Q, dO, lse, D of every query block that sees the key
 //                          block through a kStages ring (TMA, mbarriers); two consumer
@@ -16,7 +13,9 @@
 //                            dK += dS^T Q                                          (wgmma RS)
 //                            dQ_i += dS K (dS through shared memory, fp32 atomics) (wgmma SS)
 //                          dK and dV stay in registers until the end.
-//   bwd_dq_convert_kernel  dq (input dtype) from the fp32 dq_accum tiles.
+//                          GQA/MQA (kGroupLoop): one CTA per (key block, KV head, batch) walks
+//                          the query blocks of every query head of its group in turn, so dK
+//                          and dV sum the whole group in fp32 and are written once per KV head.
 #pragma once
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -35,6 +34,7 @@
 #include "common/softmax.h"
 #include "sm90/bwd_flashmask.h"
 #include "sm90/bwd_kernel_traits.h"
+#include "sm90/bwd_pre_post_kernels.cuh"
 #include "sm90/warpgroup.h"
 
 namespace flash_ext::sm90 {
@@ -62,63 +62,6 @@ struct BwdArgs {
   int seqlen_q_padded;
 };
 
-// dq_accum layout. The dQ tile of query block m of (batch, head) is kBlockM x kHeadDim floats at
-// ((batch * heads_q + head) * seqlen_q_padded + m * kBlockM) * kHeadDim, stored in the order of
-// the dQ GEMM's accumulator fragments rather than by rows: value i of consumer thread t sits at
-// slot ((i / 4) * kMmaThreads + t) * 4 + i % 4. A warp's 16-byte reductions (red.v4) then cover
-// 512 contiguous bytes (row order would scatter them over 8 rows); bwd_dq_convert_kernel undoes
-// the permutation with the same fragment coordinates.
-template <typename Traits>
-__device__ __forceinline__ int dq_accum_slot(int i, int thread) {
-  return ((i / 4) * Traits::kMmaThreads + thread) * 4 + i % 4;
-}
-
-// D = rowsum(dO * O) over the real head dim, and lse in log2 units, into the padded buffers.
-// kHeadDim / 8 threads per row, 16 bytes of O and dO each (a d = 64 row is 8 threads: a warp per
-// row left 3/4 of the lanes idle); rows past seqlen_q (up to the padding) get D = 0, lse = +inf.
-// Rows that see no key (lse = -inf, output 0) also get lse = +inf: P = exp2(s - inf) = 0, never
-// NaN. The threads also zero their row's kHeadDim floats of dq_accum, so no separate memset runs.
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_constant__ BwdParams p, float* lse_log2,
-                                                             float* dsum, int seqlen_q_padded) {
-  constexpr int kThreadsPerRow = kHeadDim / 8;
-  static_assert(kThreadsPerRow <= 32 && 32 % kThreadsPerRow == 0, "a row's threads are lanes of one warp");
-  constexpr int kRowsPerCta = 256 / kThreadsPerRow;
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const int t = threadIdx.x % kThreadsPerRow;
-  const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow;
-  if (row >= seqlen_q_padded) return;
-  const int64_t out = (int64_t(batch) * p.heads_q + head) * seqlen_q_padded + row;
-  float4* dqa_row = reinterpret_cast<float4*>(p.dq_accum + out * kHeadDim);
-  dqa_row[2 * t] = make_float4(0.f, 0.f, 0.f, 0.f);
-  dqa_row[2 * t + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
-  float acc = 0.f;
-  if (row < p.seqlen_q && t * 8 < p.head_dim) {  // head_dim is a multiple of 8 (checked on the host)
-    const Element* o_row = static_cast<const Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-                           int64_t(row) * p.o_row_stride;
-    const Element* do_row = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
-                            head * p.do_head_stride + int64_t(row) * p.do_row_stride;
-    const uint4 a = *reinterpret_cast<const uint4*>(o_row + t * 8);
-    const uint4 b = *reinterpret_cast<const uint4*>(do_row + t * 8);
-    const Element* ea = reinterpret_cast<const Element*>(&a);
-    const Element* eb = reinterpret_cast<const Element*>(&b);
-    CUTE_UNROLL
-    for (int i = 0; i < 8; ++i) acc += float(ea[i]) * float(eb[i]);
-  }
-  CUTE_UNROLL
-  for (int s = kThreadsPerRow / 2; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
-  if (t == 0) {
-    if (row < p.seqlen_q) {
-      const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
-      lse_log2[out] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-      dsum[out] = acc;
-    } else {
-      lse_log2[out] = INFINITY;
-      dsum[out] = 0.f;
-    }
-  }
-}
-
 // Sets masked entries of a transposed score tile (rows = keys, cols = queries) to -inf: the
 // seqlen_k edge and the causal / local window (common/mask.h has the rule; transposed, key j is
 // visible from queries [j - shift - window_right, j - shift + window_left]).
@@ -143,7 +86,11 @@ __device__ __forceinline__ void mask_transposed(TensorS& st, const TensorC& coor
   }
 }
 
-template <typename Traits, bool kHasWindow>
+// kGroupLoop: blockIdx.y is a KV head and the CTA walks its group's query heads (dK, dV go to the
+// (.., heads_kv, d) outputs); else blockIdx.y is a query head (for GQA, dK and dV go to expanded
+// (.., heads_q, d) buffers that the host sums). The group's query heads share the causal / local
+// block range and FlashMask's mask head (their KV head's, or 0), so one range serves them all.
+template <typename Traits, bool kHasWindow, bool kGroupLoop>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Traits::Element;
@@ -157,14 +104,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const BwdParams& p = args.p;
-  const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int n_block = blockIdx.x, head_y = blockIdx.y, batch = blockIdx.z;
+  // Query heads [head0, head0 + group) in turn; one (head0 = blockIdx.y) without kGroupLoop.
+  const int group = kGroupLoop ? p.heads_q / p.heads_kv : 1;
+  const int head0 = kGroupLoop ? head_y * group : head_y;
   const int warp_group = threadIdx.x / 128;  // 0: producer
   const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
   const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   int m_min, m_max;
   mask.query_block_range(n_block, m_min, m_max);
   // FlashMask (p.has_flashmask): producer and consumers both step with next_visible (no loads, no GEMMs).
-  const FlashMaskKeyBlock<kBlockM, kBlockN, kHasWindow> fm(p, head, batch, n_block, seqlen_q);
+  const FlashMaskKeyBlock<kBlockM, kBlockN, kHasWindow> fm(p, head0, batch, n_block, seqlen_q);
   m_min = fm.next_visible(m_min, m_max);  // none visible: the empty range, dK = dV = 0
 
   if (threadIdx.x == 0) {
@@ -198,9 +148,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x != 0 || m_min >= m_max) return;
-    const int head_kv = head / (p.heads_q / p.heads_kv);
-    Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, batch);
-    Tensor mdO = args.tma_do.get_tma_tensor(args.shape_q)(_, _, head, batch);
+    const int head_kv = kGroupLoop ? head_y : head0 / (p.heads_q / p.heads_kv);
+    Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q)(_, _, head0, batch);
+    Tensor mdO = args.tma_do.get_tma_tensor(args.shape_q)(_, _, head0, batch);
     Tensor mK = args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
     Tensor mV = args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
@@ -211,22 +161,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    const int64_t row_base = (int64_t(batch) * p.heads_q + head) * args.seqlen_q_padded;
+    int64_t row_base = (int64_t(batch) * p.heads_q + head0) * args.seqlen_q_padded;
 
     Barrier::arrive_and_expect_tx(&ss.barrier_kv, Traits::kTmaBytesKV);
     copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
     copy(args.tma_v.with(ss.barrier_kv), tVgV, tVsV);
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-    for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max)) {
-      pipeline_q.producer_acquire(write);
-      auto* bar = pipeline_q.producer_get_barrier(write);
-      const int stage = write.index();
-      copy(args.tma_q.with(*bar), tQgQ(_, m_block), tQsQ(_, stage));
-      copy(args.tma_do.with(*bar), tdOgdO(_, m_block), tdOsdO(_, stage));
-      const int64_t row = row_base + int64_t(m_block) * kBlockM;
-      SM90_BULK_COPY_G2S::copy(args.lse_log2 + row, bar, &ss.lse_log2[stage][0], kBlockM * sizeof(float));
-      SM90_BULK_COPY_G2S::copy(args.dsum + row, bar, &ss.dsum[stage][0], kBlockM * sizeof(float));
-      ++write;
+    for (int g = 0; g < group; ++g) {  // one pass without kGroupLoop
+      if constexpr (kGroupLoop) {
+        if (g > 0) {  // the next query head: its Q and dO tiles, its lse / D rows
+          const int head = head0 + g;
+          Tensor gQh = local_tile(args.tma_q.get_tma_tensor(args.shape_q)(_, _, head, batch),
+                                  Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+          Tensor gdOh = local_tile(args.tma_do.get_tma_tensor(args.shape_q)(_, _, head, batch),
+                                   Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+          tQgQ = get<0>(tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQh)));
+          tdOgdO = get<0>(tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdOh)));
+          row_base += args.seqlen_q_padded;
+        }
+      }
+      for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max)) {
+        pipeline_q.producer_acquire(write);
+        auto* bar = pipeline_q.producer_get_barrier(write);
+        const int stage = write.index();
+        copy(args.tma_q.with(*bar), tQgQ(_, m_block), tQsQ(_, stage));
+        copy(args.tma_do.with(*bar), tdOgdO(_, m_block), tdOsdO(_, stage));
+        const int64_t row = row_base + int64_t(m_block) * kBlockM;
+        SM90_BULK_COPY_G2S::copy(args.lse_log2 + row, bar, &ss.lse_log2[stage][0], kBlockM * sizeof(float));
+        SM90_BULK_COPY_G2S::copy(args.dsum + row, bar, &ss.dsum[stage][0], kBlockM * sizeof(float));
+        ++write;
+      }
     }
     return;
   }
@@ -267,14 +231,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const bool use_softcap = p.softcap > 0.f;
   // With softcap, tanh(S * scale / cap) is recovered from P: S' = ln(P) + lse (see sm80 bwd).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
-  float* dq_base = p.dq_accum + (int64_t(batch) * p.heads_q + head) * args.seqlen_q_padded * kHeadDim;
+  float* dq_base = p.dq_accum + (int64_t(batch) * p.heads_q + head0) * args.seqlen_q_padded * kHeadDim;
+  // The next step: the next visible query block, or with kGroupLoop past the last one the first
+  // of the next query head (the producer's order).
+  int g = 0;
+  auto next_step = [&](int m_block) {
+    m_block = fm.next_visible(m_block + 1, m_max);
+    if constexpr (kGroupLoop) {
+      if (m_block >= m_max && ++g < group) {
+        m_block = m_min;
+        dq_base += int64_t(args.seqlen_q_padded) * kHeadDim;
+      }
+    }
+    return m_block;
+  };
 
   if (m_min < m_max) {
     Barrier::wait(&ss.barrier_kv, 0);
     PipelineState read;
     static_assert(Traits::kStages % 2 == 0, "dS^T buffer: stage parity alternates per step (FlashMask skips)");
-    for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max)) {
-      const int stage = read.index(), buf = kHasWindow ? stage & 1 : (m_block - m_min) & 1;  // per step
+    for (int m_block = m_min; m_block < m_max; m_block = next_step(m_block)) {
+      const int stage = read.index(), buf = kHasWindow || kGroupLoop ? stage & 1 : (m_block - m_min) & 1;  // per step
       pipeline_q.consumer_wait(read);
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -374,9 +351,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   // Epilogue: dK (already scaled) and dV in the input dtype, rows < seqlen_k, cols < head_dim.
   const int rows_k = seqlen_k - n_block * kBlockN;
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  Element* dk_tile = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride +
+  // head_y: the KV head with kGroupLoop, else the query head (of the expanded buffers).
+  Element* dk_tile = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head_y * p.dk_head_stride +
                      int64_t(n_block) * kBlockN * p.dk_row_stride;
-  Element* dv_tile = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride +
+  Element* dv_tile = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head_y * p.dv_head_stride +
                      int64_t(n_block) * kBlockN * p.dv_row_stride;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
@@ -392,59 +370,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     }
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
-}
-
-// dq = dq_accum in the input dtype: one CTA per (query block, head, batch). Each thread reads its
-// own fragment's slots (coalesced 16-byte loads), places the values by their (row, col) in a
-// shared-memory tile, and the CTA writes the rows < seqlen_q, columns < head_dim out with 16-byte
-// stores (element by element when head_dim is not a multiple of 8).
-template <typename Traits>
-__global__ void __launch_bounds__(Traits::kMmaThreads) bwd_dq_convert_kernel(const __grid_constant__ BwdParams p) {
-  using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kCols = kHeadDim + 8;  // + 16 bytes: consecutive rows start in different banks
-  __shared__ alignas(16) Element tile[kBlockM * kCols];
-  const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-  const int tid = threadIdx.x;
-  typename Traits::TiledMmaDQ mma_dq;
-  auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const float* src = p.dq_accum +
-                     ((int64_t(batch) * p.heads_q + head) * p.seqlen_q_padded + int64_t(m_block) * kBlockM) * kHeadDim;
-  CUTE_UNROLL
-  for (int i = 0; i < size(cdQ); i += 4) {
-    const float4 v = *reinterpret_cast<const float4*>(src + dq_accum_slot<Traits>(i, tid));
-    const float vals[4] = {v.x, v.y, v.z, v.w};
-    CUTE_UNROLL
-    for (int e = 0; e < 4; e += 2) {  // values i + e, i + e + 1 are adjacent columns of one row
-      cutlass::Array<Element, 2> pair;
-      pair[0] = Element(vals[e]);
-      pair[1] = Element(vals[e + 1]);
-      const int row = get<0>(cdQ(i + e)), col = get<1>(cdQ(i + e));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(&tile[row * kCols + col]) = pair;
-    }
-  }
-  __syncthreads();
-  const int rows = min(kBlockM, p.seqlen_q - m_block * kBlockM);
-  Element* dst = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-                 int64_t(m_block) * kBlockM * p.dq_row_stride;
-  if (p.head_dim % 8 == 0) {
-    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-    const int chunks = p.head_dim / 8;
-    for (int c = tid; c < rows * kChunks; c += Traits::kMmaThreads) {
-      const int row = c / kChunks, chunk = c % kChunks;
-      if (chunk < chunks) {
-        *reinterpret_cast<uint4*>(dst + row * p.dq_row_stride + chunk * 8) =
-            *reinterpret_cast<const uint4*>(&tile[row * kCols + chunk * 8]);
-      }
-    }
-  } else {
-    for (int c = tid; c < rows * kHeadDim; c += Traits::kMmaThreads) {
-      const int row = c / kHeadDim, col = c % kHeadDim;
-      if (col < p.head_dim) dst[row * p.dq_row_stride + col] = tile[row * kCols + col];
-    }
-  }
 }
 
 }  // namespace flash_ext::sm90

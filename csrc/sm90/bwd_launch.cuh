@@ -15,12 +15,13 @@ namespace flash_ext {
 
 namespace sm90 {
 
-template <typename Traits, bool kHasWindow>
+template <typename Traits, bool kHasWindow, bool kGroupLoop>
 void launch_bwd(BwdParams& p, cudaStream_t stream) {
   using Args = BwdArgs<Traits>;
   using Element = typename Traits::Element;
   static_assert(kBwdSm90PadRows % Traits::kBlockM == 0);
   static_assert(Traits::kBlockN == sm90_bwd_block_n(Traits::kHeadDim), "FlashMask summaries' block size");
+  static_assert(Traits::kBlockM == sm90_bwd_block_m(Traits::kHeadDim), "the GQA schedule's estimate");
   // FlashMask runs in the windowed variant only, on summaries made for this kernel's key blocks.
   if (p.has_flashmask) {
     if (!kHasWindow) raise_error("flash_ext: internal: FlashMask backward launched without the windowed variant");
@@ -51,12 +52,12 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                              typename Traits::SmemLayoutK{}, k_box, _1{});
 
-  auto kernel = &bwd_kernel<Traits, kHasWindow>;
+  auto kernel = &bwd_kernel<Traits, kHasWindow, kGroupLoop>;
   constexpr int smem = Traits::kSmemBytes;
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // Key blocks in blockIdx.x order: under a causal mask block 0 has the most query blocks, so
-  // the longest CTAs start first.
-  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_q, p.batch);
+  // the longest CTAs start first. With the group loop, one CTA per KV head.
+  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, kGroupLoop ? p.heads_kv : p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
 
@@ -79,10 +80,12 @@ void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     sm90::bwd_preprocess_kernel<Element, kHeadDim><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded);
   }
   if (p.seqlen_k > 0) {
+    // The group loop only for GQA/MQA (with one query head per KV head it is the other kernel).
+    const bool loop = p.sm90_gqa_loop && p.heads_q != p.heads_kv;
     if (p.has_window) {
-      sm90::launch_bwd<Traits, true>(p, stream);
+      loop ? sm90::launch_bwd<Traits, true, true>(p, stream) : sm90::launch_bwd<Traits, true, false>(p, stream);
     } else {
-      sm90::launch_bwd<Traits, false>(p, stream);
+      loop ? sm90::launch_bwd<Traits, false, true>(p, stream) : sm90::launch_bwd<Traits, false, false>(p, stream);
     }
   }
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);

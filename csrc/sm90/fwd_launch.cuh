@@ -74,14 +74,18 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
   if (p.has_flashmask) {
     // FlashMask on top of causal or of no mask (the policy reads p.has_window itself); its
     // tiles are uneven either way. Only on the base tiles (128 rows), which the heuristics choose
-    // for it (at 160 registers, d = 64's 192-row tile, its consumers spilled 166 bytes; d = 256's
-    // 80-key blocks are no summary size), and up to d = 192: at d = 256 its consumers spilled
-    // 138 bytes, so there FlashMask must run the sm80 forward (dispatch/paths.cpp).
+    // for it: at 160 registers, d = 64's 192-row tile's consumers spilled 166 bytes, and d = 256's
+    // 128 x 80 tile spilled 58-74 bytes even with the low-register mask (its summaries would also
+    // need 80-column blocks). At d = 256 the consumers hold 128 registers of O, and the plain
+    // policy's mask spilled 138 bytes: there the low-register form reads the bounds a few columns
+    // at a time.
     constexpr Sm90FwdTile kFmTile = sm90_fwd_tile(Traits::kHeadDim, false);
-    if constexpr (kM == kFmTile.block_m && kN == kFmTile.block_n && Traits::kHeadDim <= 192) {
+    if constexpr (kM == kFmTile.block_m && kN == kFmTile.block_n && Traits::kHeadDim == 256) {
+      launch_fwd<Traits, FlashMaskPolicyLowRegs<kM, kN>, true>(p, config, stream);
+    } else if constexpr (kM == kFmTile.block_m && kN == kFmTile.block_n) {
       launch_fwd<Traits, FlashMaskPolicy<kM, kN>, true>(p, config, stream);
     } else {
-      raise_error("flash_ext: the Hopper forward runs FlashMask on its 128-row tiles up to head dim 192 only");
+      raise_error("flash_ext: the Hopper forward runs FlashMask on its base tiles only (128 rows; 64 keys at d = 256)");
     }
   } else if (p.has_window) {
     launch_fwd<Traits, CausalLocalMask<kM, kN, true>, true>(p, config, stream);

@@ -118,4 +118,50 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   }
 };
 
+// FlashMaskPolicy for consumers short of registers (d = 256: O alone takes 128 per thread). The
+// plain apply_rows loads all of a thread's columns' bounds (16 int4 at kBlockN = 64), which ptxas
+// issued together and spilled for; here they are read 4 columns per turn of a rolled loop and
+// reduced at once to one bit per (row, column), and the scores are masked from those bits: at
+// most 16 registers of bounds in flight, kBlockN / 4 L1 loads per partial block as before.
+template <int kBlockM, int kBlockN>
+struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN> {
+  using Policy = FlashMaskPolicy<kBlockM, kBlockN>;
+  using Policy::Policy;
+
+  template <typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0, int n) const {
+    using namespace cute;
+    constexpr int kRows = decltype(size<0>(scores))::value;
+    constexpr int kCols = decltype(size<1>(scores))::value;
+    constexpr int kTurn = 4;  // columns per turn
+    static_assert(kCols <= 32 && kCols % kTurn == 0, "one 32-bit word of column bits per row");
+    Policy::Base::apply_rows(scores, coords, row0, n);
+    if (this->block_class(row0, n) != kFmPartial) return;
+    const int col0 = n * kBlockN;
+    uint32_t bits[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) bits[r] = 0u;
+#pragma unroll 1
+    for (int c0 = 0; c0 < kCols; c0 += kTurn) {
+      CUTE_UNROLL
+      for (int i = 0; i < kTurn; ++i) {
+        const int col = col0 + get<1>(coords(0, c0 + i));
+        if (col >= this->seqlen_k) continue;  // masked by the usual rule; no bounds there
+        const int4 bounds = __ldg(this->nb + col);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          bits[r] |= uint32_t(fm_masked(bounds, row0 + get<0>(coords(r, 0)))) << (c0 + i);
+        }
+      }
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (bits[r] & (1u << c)) scores(r, c) = -INFINITY;
+      }
+    }
+  }
+};
+
 }  // namespace flash_ext::sm90

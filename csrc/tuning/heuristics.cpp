@@ -3,8 +3,10 @@
 #include "tuning/heuristics.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "decode/decode_params.h"
+#include "dispatch/bwd_dispatch.h"
 
 namespace flash_ext {
 namespace {
@@ -186,7 +188,57 @@ BwdTile bwd_sm80_pick_tile(int kernel_head_dim) {
   return choose_bwd_sm80_tile(kernel_head_dim, current_device_info(), tuning_overrides());
 }
 
-DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, bool deep_fits,
+// Group loop against expanded buffers, in units of one step (a kBlockM x kBlockN block of one
+// query head; both schedules run the same steps). The kernel's time is estimated as its CTAs'
+// makespan on one CTA per SM: CTAs of one length (no mask) run in whole waves; uneven ones take
+// the longest CTA when the grid is one wave, else the steps spread over the SMs plus half a
+// longest CTA of tail. Looping multiplies every CTA's length by the
+// group and divides their number by it, so it loses where the grid is short of waves and the CTAs
+// uneven: causal 4 x 2048, 8 / 2 heads, d = 128 has 128 looped CTAs of 8 to 128 steps, against
+// 512 expanded ones that spread 8704 steps over 132 SMs (~66 each). Expanded pays the bytes: the
+// kernel writes dK, dV per query head, the sum reads them back and writes the result (a step:
+// 10 kBlockM x kBlockN x d FLOPs at ~2.5 TFLOP/s per SM; the bytes at 70% of the DRAM peak).
+bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kd, const DeviceInfo& dev, const TuningOverrides& o) {
+  if (p.heads_kv <= 0 || p.heads_q == p.heads_kv) return false;
+  if (o.sm90_bwd_gqa >= 0) return o.sm90_bwd_gqa == 1;
+  const int group = p.heads_q / p.heads_kv;
+  const int block_m = sm90_bwd_block_m(kd), block_n = sm90_bwd_block_n(kd);
+  const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+  const int n_blocks = (p.seqlen_k + block_n - 1) / block_n;
+  // Query blocks per key block: the kernel's range (common/mask.h BlockMask::query_block_range).
+  // FlashMask may skip more; the estimate keeps the window's.
+  int64_t head_steps = 0;
+  int longest = 0, shortest = m_blocks;
+  const int shift = p.seqlen_k - p.seqlen_q;
+  for (int n = 0; n < n_blocks; ++n) {
+    int m_min = 0, m_max = m_blocks;
+    if (p.has_window && p.window_right >= 0) m_min = std::max(0, (n * block_n - shift - p.window_right) / block_m);
+    if (p.has_window && p.window_left >= 0) {
+      const int last_row = std::min((n + 1) * block_n, p.seqlen_k) - 1 - shift + p.window_left;
+      m_max = std::min(m_max, last_row < 0 ? 0 : last_row / block_m + 1);
+    }
+    const int len = std::max(0, m_max - m_min);
+    head_steps += len;
+    longest = std::max(longest, len);
+    shortest = std::min(shortest, len);
+  }
+  const int64_t units = int64_t(p.batch) * p.heads_kv;  // (KV head, batch) pairs
+  const double sms = dev.sms > 0 ? dev.sms : 132;
+  const double total = double(head_steps) * double(units) * group;
+  auto makespan = [&](int64_t ctas, double longest_cta) {
+    if (shortest == longest) return std::ceil(double(ctas) / sms) * longest_cta;
+    return ctas <= sms ? longest_cta : std::max(longest_cta, total / sms + longest_cta / 2);
+  };
+  const double loop = makespan(n_blocks * units, double(group) * longest);
+  const double step_s = 10.0 * block_m * block_n * p.head_dim / 2.5e12;
+  const double kv_bytes = 2.0 * units * p.seqlen_k * p.head_dim * kElementBytes;  // dK and dV, heads_kv
+  const double extra_bytes = kv_bytes * (2.0 * group - 1);  // group - 1 more written, group read back
+  const double dram = dev.dram_bytes_per_s > 0 ? dev.dram_bytes_per_s : 3.35e12;
+  const double expand = makespan(n_blocks * units * group, longest) + extra_bytes / (0.7 * dram) / step_s;
+  return loop <= expand;
+}
+
+DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, int deepest_ring,
                                   bool paged, int64_t key_blocks, int ring_override) {
   DecodeConfig c;
   if (units <= 0) return c;
@@ -195,24 +247,24 @@ DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t
   auto filled = [](int64_t ctas, int64_t slots) {  // the busy share of the grid's last wave
     return double(ctas) / double((ctas + slots - 1) / slots * slots);
   };
-  bool deep = false;
+  int ring = kDecodeStagesShallow;
   int64_t splits = 1;
   if (units <= sms / 8 && key_blocks <= 8 * deep_splits) {
-    // Few sequences x KV heads and short splits: per-CTA latency bound; the deep ring keeps 3
-    // blocks in flight per SM (1 x 8k keys: 1271 vs 1178 GB/s).
-    deep = true, splits = deep_splits;
+    // Few sequences x KV heads and short splits: per-CTA latency bound; a deep ring keeps more
+    // blocks in flight per SM (1 x 8k keys, ring 4: 1271 vs 1178 GB/s), the deepest that fits
+    // (6 on an H100: 5 blocks in flight; predicted, docs/perf-notes.md "Draft: deeper decode ring").
+    ring = deepest_ring, splits = deep_splits;
   } else if (units < 2 * int64_t(sms)) {
     splits = std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits);  // ~two CTAs per SM
   } else if (!paged && filled(units, shallow_slots) < 0.75 && filled(units, sms) > filled(units, shallow_slots) + 0.1) {
-    deep = true;  // whole waves of one CTA per SM fill the GPU better (64 x 4k: 2906 vs 2830 GB/s)
+    ring = kDecodeStagesDeep;  // whole waves of one CTA per SM fill the GPU better (64 x 4k: 2906 vs 2830 GB/s)
   } else if (max_splits >= 8 && filled(2 * units, shallow_slots) > filled(units, shallow_slots) + 0.1) {
     splits = 2;  // a second split evens out the last wave
   }
-  if (ring_override != 0) deep = ring_override == kDecodeStagesDeep;
-  deep = deep && deep_fits;
+  if (ring_override != 0) ring = ring_override;
   if (requested > 0) splits = std::min(requested, kDecodeMaxSplits);
   c.splits = int(splits);
-  c.ring_stages = deep ? kDecodeStagesDeep : kDecodeStagesShallow;
+  c.ring_stages = std::min(ring, deepest_ring);  // both are compiled depths
   return c;
 }
 

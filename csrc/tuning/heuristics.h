@@ -103,6 +103,17 @@ BwdTile choose_bwd_sm80_tile(int kernel_head_dim, const DeviceInfo& dev, const T
 // The same on the current device with the overrides in force (the launcher's entry point).
 BwdTile bwd_sm80_pick_tile(int kernel_head_dim);
 
+// ---------------------------------------------------------------------------------------------
+// Hopper backward
+// ---------------------------------------------------------------------------------------------
+
+// GQA/MQA (heads_q > heads_kv): true for one CTA per (key block, KV head, batch) that walks its
+// group's query heads, summing dK and dV in registers and writing them once (BwdParams::
+// sm90_gqa_loop); false for one CTA per query head into expanded buffers summed afterwards.
+// The estimate (heuristics.cpp) weighs the loop's longer CTAs against the expanded buffers' bytes.
+bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kernel_head_dim, const DeviceInfo& dev,
+                              const TuningOverrides& o);
+
 // Flash-Decoding's launch (docs/design-flash-decoding.md 2.1): how many splits of the keys, and
 // the ring's depth (decode/decode_params.h).
 struct DecodeConfig {
@@ -111,15 +122,15 @@ struct DecodeConfig {
 };
 
 // units: the CTAs without splitting (batch x KV heads x row blocks); shallow_slots: CTAs of the
-// shallow ring the GPU holds at once (SMs x CTAs per SM); deep_fits: the deep ring fits one SM's
-// shared memory; paged: a block table (its page lookups stall a lone CTA per SM); key_blocks:
-// key blocks of the cache's capacity (never device values: no sync, and a captured graph stays
-// valid as the cache fills). requested > 0 forces that many splits (at most kDecodeMaxSplits);
-// ring_override 2 or 4 forces the depth (0: chosen; 4 only where it fits). H100 sweep
-// (docs/perf-notes.md): grids of about two shallow CTAs per SM with >= 4 blocks per split were
-// best, one deep CTA per SM where splits are short; at two waves or more, a second split only
-// where it evens out the last wave.
-DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, bool deep_fits,
+// shallow ring the GPU holds at once (SMs x CTAs per SM); deepest_ring: the deepest compiled ring
+// that fits one SM's shared memory (decode_deepest_ring); paged: a block table; key_blocks: key
+// blocks of the cache's capacity (never device values: no sync, and a captured graph stays valid
+// as the cache fills). requested > 0 forces that many splits (at most kDecodeMaxSplits);
+// ring_override 2, 4 or 6 forces the depth (0: chosen; never deeper than deepest_ring). H100
+// sweep (docs/perf-notes.md): grids of about two shallow CTAs per SM with >= 4 blocks per split
+// were best, one deep CTA per SM where splits are short; at two waves or more, a second split
+// only where it evens out the last wave.
+DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, int deepest_ring,
                                   bool paged, int64_t key_blocks, int ring_override);
 
 }  // namespace flash_ext

@@ -23,12 +23,13 @@ enum Switch {
   kBwdVariant,
   kBwdSmallTile,
   kDecodeRing,
+  kSm90BwdGqa,
   kSwitches
 };
 
 struct SwitchSpec {
   const char* name;
-  const char* values[4];  // allowed spellings, nullptr-terminated; values[0] is the default
+  const char* values[5];  // allowed spellings, nullptr-terminated; values[0] is the default
 };
 
 // Index i of a switch's value is what set_tuning stores; tuning_overrides() maps it to a field.
@@ -40,7 +41,8 @@ constexpr SwitchSpec kSpecs[kSwitches] = {
     {"FLASH_EXT_SM90_FWD_TILE", {"auto", "base", "alt", nullptr}},
     {"FLASH_EXT_BWD_VARIANT", {"2", "1", nullptr, nullptr}},
     {"FLASH_EXT_BWD_SMALL_TILE", {"0", "1", nullptr, nullptr}},
-    {"FLASH_EXT_DECODE_RING", {"auto", "2", "4", nullptr}},
+    {"FLASH_EXT_DECODE_RING", {"auto", "2", "4", "6", nullptr}},
+    {"FLASH_EXT_SM90_BWD_GQA", {"auto", "expand", "loop", nullptr}},
 };
 
 // The index of `value` among the switch's spellings ("" = the default); raises on others.
@@ -49,7 +51,7 @@ int parse(Switch s, const std::string& value) {
   const SwitchSpec& spec = kSpecs[s];
   std::string choices;
   int n = 0;
-  while (n < 4 && spec.values[n] != nullptr) ++n;
+  while (n < 5 && spec.values[n] != nullptr) ++n;
   for (int i = 0; i < n; ++i) {
     if (value == spec.values[i]) return i;
     choices += i == 0 ? "" : (i + 1 == n ? " or " : ", ");
@@ -88,7 +90,7 @@ Store& store() {
 
 PathChoice path_of(int i) { return i == 1 ? PathChoice::kSm80 : i == 2 ? PathChoice::kSm90 : PathChoice::kAuto; }
 
-// auto | 0 | 1 and auto | base | alt: index 0 is auto (-1), then 0 and 1.
+// auto | 0 | 1, auto | base | alt and auto | expand | loop: index 0 is auto (-1), then 0 and 1.
 int tristate_of(int i) { return i - 1; }
 
 }  // namespace
@@ -104,7 +106,9 @@ TuningOverrides tuning_overrides() {
   o.sm90_fwd_tile = tristate_of(at(kSm90FwdTile));
   o.bwd_variant = at(kBwdVariant) == 1 ? 1 : 2;
   o.bwd_small_tile = at(kBwdSmallTile) == 1;
-  o.decode_ring = at(kDecodeRing) == 1 ? 2 : at(kDecodeRing) == 2 ? 4 : 0;
+  constexpr int kRings[] = {0, 2, 4, 6};  // auto, then the spellings' depths
+  o.decode_ring = kRings[at(kDecodeRing)];
+  o.sm90_bwd_gqa = tristate_of(at(kSm90BwdGqa));
   return o;
 }
 

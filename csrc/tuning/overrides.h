@@ -28,9 +28,13 @@ struct TuningOverrides {
   int bwd_variant = 2;
   // FLASH_EXT_BWD_SMALL_TILE = 0 | 1: the sm80 backward's 99 KB tiles (sm86/sm89) on any device.
   bool bwd_small_tile = false;
-  // FLASH_EXT_DECODE_RING = auto | 2 | 4: the decode kernel's ring depth (0 auto; 4 only where
-  // it fits the device's shared memory).
+  // FLASH_EXT_DECODE_RING = auto | 2 | 4 | 6: the decode kernel's ring depth (0 auto; a depth
+  // that does not fit the device's shared memory runs the deepest that does).
   int decode_ring = 0;
+  // FLASH_EXT_SM90_BWD_GQA = auto | expand | loop: the Hopper backward's GQA/MQA schedule, one
+  // CTA per query head into expanded dK/dV buffers or one per KV head looping over its group
+  // (-1 auto, 0 expand, 1 loop).
+  int sm90_bwd_gqa = -1;
 };
 
 // The overrides in force now (the environment's, as changed by set_tuning). Cheap: a few
