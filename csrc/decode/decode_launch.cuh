@@ -29,9 +29,7 @@ template <int kHeadDim, bool kIsBf16>
 void run_decode(const DecodeParams& p, cudaStream_t stream) {
   using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
   if (p.batch == 0 || p.packed_rows == 0) return;
-  if (p.ring_stages == kDecodeStagesDeeper) {
-    launch_decode<kHeadDim, Element, kDecodeStagesDeeper>(p, stream);
-  } else if (p.ring_stages == kDecodeStagesDeep) {
+  if (p.ring_stages == kDecodeStagesDeep) {
     launch_decode<kHeadDim, Element, kDecodeStagesDeep>(p, stream);
   } else {
     launch_decode<kHeadDim, Element, kDecodeStagesShallow>(p, stream);

