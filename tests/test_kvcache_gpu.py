@@ -144,7 +144,7 @@ def _grid_cases(n=40, seed=2026):
 # The decode kernel's ring depth (FLASH_EXT_DECODE_RING): auto picks a deep ring for the small
 # grids of most tests here, so every depth is forced too (a depth that does not fit the device
 # runs the deepest that does: 4 is covered on an A100 / H100 / H200, not on sm86 / sm89).
-RINGS = ["auto", "2", "4"]
+RINGS = ["auto", "2", "3", "4"]
 
 
 @pytest.mark.parametrize("ring", RINGS)
@@ -164,7 +164,7 @@ def test_num_splits_agree(num_splits, ring, tuning):
     run_and_check(kw, num_splits)
 
 
-@pytest.mark.parametrize("ring", ["2", "4"])
+@pytest.mark.parametrize("ring", ["2", "3", "4"])
 @pytest.mark.parametrize("page_size", [None, 16, 48, 64, 256])
 @pytest.mark.parametrize("num_splits", [1, 3, 0, 128])
 @pytest.mark.parametrize("window", [(-1, -1), (150, 0)])

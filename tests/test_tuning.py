@@ -61,7 +61,7 @@ def test_bad_value_is_an_error_naming_the_choices(tuning):
         tuning.set("FLASH_EXT_SM90_PINGPONG", "tile")
     with pytest.raises(RuntimeError, match="FLASH_EXT_FWD_PATH must be auto, sm80 or sm90"):
         tuning.set("FLASH_EXT_FWD_PATH", "sm100")
-    with pytest.raises(RuntimeError, match="FLASH_EXT_DECODE_RING must be auto, 2 or 4; got '8'"):
+    with pytest.raises(RuntimeError, match="FLASH_EXT_DECODE_RING must be auto, 2, 3 or 4; got '8'"):
         tuning.set("FLASH_EXT_DECODE_RING", "8")
 
 

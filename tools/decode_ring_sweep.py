@@ -2,7 +2,7 @@
 op flash_ext::fwd_kvcache (no append; GQA 32/8, bf16, one query token), to check or re-fit
 choose_decode_config (csrc/tuning/heuristics.cpp; developer tool for docs/perf-notes.md).
 
-    PYTHONPATH=. python tools/decode_ring_sweep.py [--rings 2,4] [--page 0|16|64|256]
+    PYTHONPATH=. python tools/decode_ring_sweep.py [--rings 2,3,4] [--page 0|16|64|256]
         [--shapes 1x8192,1x131072] [--splits 0,1,2,4,8,12,16,24,32,48] [--d 128]
 
 One line per (shape, ring): `BxN ring R: S:GBps ...` for each split count S (0: the heuristic's
@@ -32,7 +32,7 @@ def cache(b, n, hkv, d, page, dt):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rings", default="2,4")
+    ap.add_argument("--rings", default="2,3,4")
     ap.add_argument("--page", type=int, default=0, help="page size (0: contiguous cache)")
     ap.add_argument("--shapes", default=SHAPES, help="batch x keys, comma-separated")
     ap.add_argument("--splits", default="0,1,2,3,4,6,8,12,16,24,32,48")

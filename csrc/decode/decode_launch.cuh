@@ -31,6 +31,8 @@ void run_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.packed_rows == 0) return;
   if (p.ring_stages == kDecodeStagesDeep) {
     launch_decode<kHeadDim, Element, kDecodeStagesDeep>(p, stream);
+  } else if (p.ring_stages == kDecodeStagesMid) {
+    launch_decode<kHeadDim, Element, kDecodeStagesMid>(p, stream);
   } else {
     launch_decode<kHeadDim, Element, kDecodeStagesShallow>(p, stream);
   }

@@ -21,9 +21,10 @@ struct DecodeTraits {
   static constexpr int kNThreads = 32 * kWarps;
   static constexpr int kWarpKeys = kBlockN / kWarps;
   static constexpr int kStages = kStages_;
-  // CTAs per SM the registers must allow: as many as shared memory holds on an H100 (the deep
-  // rings: one).
-  static constexpr int kMinBlocksPerSm = kStages > kDecodeStagesShallow ? 1 : (kHeadDim <= 128 ? 3 : 2);
+  // CTAs per SM the registers must allow: as many as shared memory holds on an H100 (ring 2: 3
+  // up to kd = 128, else 2; ring 3: 2; ring 4: 1).
+  static constexpr int kMinBlocksPerSm =
+      kStages == kDecodeStagesShallow ? (kHeadDim <= 128 ? 3 : 2) : (kStages == kDecodeStagesMid ? 2 : 1);
   // Paged caches: page-number slots (decode/kv_block_loader.h) of kPagesPerBlock ints each.
   static constexpr int kPagesPerBlock = decode_pages_per_block(kHeadDim);
   static constexpr int kPageSlots = decode_page_slots(kStages);

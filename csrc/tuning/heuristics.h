@@ -126,7 +126,7 @@ struct DecodeConfig {
 // that fits one SM's shared memory (decode_deepest_ring); paged: a block table; key_blocks: key
 // blocks of the cache's capacity (never device values: no sync, and a captured graph stays valid
 // as the cache fills). requested > 0 forces that many splits (at most kDecodeMaxSplits);
-// ring_override 2 or 4 forces the depth (0: chosen; never deeper than deepest_ring). H100
+// ring_override 2, 3 or 4 forces the depth (0: chosen; never deeper than deepest_ring). H100
 // sweep (docs/perf-notes.md): grids of about two shallow CTAs per SM with >= 4 blocks per split
 // were best, one deep CTA per SM where splits are short; at two waves or more, a second split
 // only where it evens out the last wave.

@@ -41,7 +41,7 @@ constexpr SwitchSpec kSpecs[kSwitches] = {
     {"FLASH_EXT_SM90_FWD_TILE", {"auto", "base", "alt", nullptr}},
     {"FLASH_EXT_BWD_VARIANT", {"2", "1", nullptr, nullptr}},
     {"FLASH_EXT_BWD_SMALL_TILE", {"0", "1", nullptr, nullptr}},
-    {"FLASH_EXT_DECODE_RING", {"auto", "2", "4", nullptr}},
+    {"FLASH_EXT_DECODE_RING", {"auto", "2", "3", "4", nullptr}},
     {"FLASH_EXT_SM90_BWD_GQA", {"auto", "expand", "loop", nullptr}},
 };
 
@@ -106,7 +106,7 @@ TuningOverrides tuning_overrides() {
   o.sm90_fwd_tile = tristate_of(at(kSm90FwdTile));
   o.bwd_variant = at(kBwdVariant) == 1 ? 1 : 2;
   o.bwd_small_tile = at(kBwdSmallTile) == 1;
-  constexpr int kRings[] = {0, 2, 4};  // auto, then the spellings' depths
+  constexpr int kRings[] = {0, 2, 3, 4};  // auto, then the spellings' depths
   o.decode_ring = kRings[at(kDecodeRing)];
   o.sm90_bwd_gqa = tristate_of(at(kSm90BwdGqa));
   return o;

@@ -28,7 +28,7 @@ struct TuningOverrides {
   int bwd_variant = 2;
   // FLASH_EXT_BWD_SMALL_TILE = 0 | 1: the sm80 backward's 99 KB tiles (sm86/sm89) on any device.
   bool bwd_small_tile = false;
-  // FLASH_EXT_DECODE_RING = auto | 2 | 4: the decode kernel's ring depth (0 auto; a depth
+  // FLASH_EXT_DECODE_RING = auto | 2 | 3 | 4: the decode kernel's ring depth (0 auto; a depth
   // that does not fit the device's shared memory runs the deepest that does).
   int decode_ring = 0;
   // FLASH_EXT_SM90_BWD_GQA = auto | expand | loop: the Hopper backward's GQA/MQA schedule, one
