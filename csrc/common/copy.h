@@ -14,15 +14,6 @@ __device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gm
                "r"(src_bytes));
 }
 
-// The same, asking L2 to fetch the whole 256-byte block around the source (streamed K/V rows:
-// a d = 128 row is one such block).
-__device__ __forceinline__ void cp_async_16_zfill_l2_256(void* smem_dst, const void* gmem_src, bool pred) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  const int src_bytes = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(src_bytes));
-}
-
 // gmem -> smem tile load. src/dst are (VEC, CPY_M, CPY_K) partitions of a GmemTiledCopy and
 // coords the matching partition of an identity tensor; rows >= max_rows or cols >= max_cols are
 // zero-filled: with a source size of 0, cp.async reads nothing, so the (out of range) address

@@ -95,7 +95,7 @@ struct KvBlockLoader {
       for (int k = 0; k < cute::size<2>(dst); ++k) {
         const int col = cute::get<1>(coords(0, m, k));
         const bool ok = row != nullptr && col < p.head_dim;
-        cp_async_16_zfill_l2_256(&dst(0, m, k), ok ? row + col : base, ok);
+        cp_async_16_zfill(&dst(0, m, k), ok ? row + col : base, ok);
       }
     }
   }

@@ -253,10 +253,19 @@ DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t
     // Few sequences x KV heads and short splits: per-CTA latency bound; the deep ring keeps more
     // blocks in flight per SM (1 x 8k keys: 1265 vs 1134 GB/s), where it fits.
     ring = deepest_ring, splits = deep_splits;
+  } else if (units < sms && !paged) {
+    // Fewer (sequence, KV head) tiles than SMs, long splits: one ring-3 CTA per SM beat two ring-2
+    // ones at every such shape of the H100 sweep (1 x 128k: 2822 vs 2770 GB/s; 8 x 64k: 3102 vs
+    // 3064; 16 x 8k: 2859 vs 2801). Paged caches stall a lone CTA per SM on page lookups (1 x
+    // 128k, pages of 16: 2100 vs 2610) and keep two ring-2 CTAs per SM.
+    ring = kDecodeStagesMid, splits = std::clamp<int64_t>(sms / units, 1, max_splits);
   } else if (units < 2 * int64_t(sms)) {
     splits = std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits);  // ~two CTAs per SM
-  } else if (!paged && filled(units, shallow_slots) < 0.75 && filled(units, sms) > filled(units, shallow_slots) + 0.1) {
-    ring = kDecodeStagesDeep;  // whole waves of one CTA per SM fill the GPU better (64 x 4k: 2906 vs 2830 GB/s)
+  } else if (filled(units, shallow_slots) < 0.75 && filled(units, sms) > filled(units, shallow_slots) + 0.1) {
+    // The shallow ring's last wave is short where one or two CTAs per SM fill theirs: ring 3 (two
+    // per SM) beat ring 4 (one) and ring 2 (three) at 64 x 4k: 2921 vs 2886 vs 2833 GB/s; pages
+    // of 16: 2847 vs 1997 vs 2741.
+    ring = kDecodeStagesMid;
   } else if (max_splits >= 8 && filled(2 * units, shallow_slots) > filled(units, shallow_slots) + 0.1) {
     splits = 2;  // a second split evens out the last wave
   }

@@ -127,9 +127,10 @@ struct DecodeConfig {
 // blocks of the cache's capacity (never device values: no sync, and a captured graph stays valid
 // as the cache fills). requested > 0 forces that many splits (at most kDecodeMaxSplits);
 // ring_override 2, 3 or 4 forces the depth (0: chosen; never deeper than deepest_ring). H100
-// sweep (docs/perf-notes.md): grids of about two shallow CTAs per SM with >= 4 blocks per split
-// were best, one deep CTA per SM where splits are short; at two waves or more, a second split
-// only where it evens out the last wave.
+// sweeps (docs/perf-notes.md, Sessions 22-23): one ring-4 CTA per SM where splits are short, one
+// ring-3 CTA per SM for fewer tiles than SMs (contiguous caches), else about two ring-2 CTAs per
+// SM; ring 3 where whole waves of one CTA per SM fill the GPU better; at two waves or more, a
+// second split only where it evens out the last wave.
 DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, int deepest_ring,
                                   bool paged, int64_t key_blocks, int ring_override);
 
