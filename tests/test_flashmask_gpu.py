@@ -199,13 +199,17 @@ def _builders(s):
     }
 
 
-@pytest.mark.parametrize("name", BUILDERS)
-def test_builders(fwd_path, name):
+def run_builder(name, d, label, **kw):
+    """One builder's mask over 1000 tokens, 4 q / 2 kv heads, bf16."""
     s = 1000
     sri, causal = _builders(s)[name]
-    q, k, v = qkv(1, s, s, 4, 2, 64, torch.bfloat16)
-    run_batched(q, k, v, sri.expand(1, 2, s, sri.shape[-1]).contiguous(), causal,
-                f"{fwd_path} {name}")
+    q, k, v = qkv(1, s, s, 4, 2, d, torch.bfloat16)
+    run_batched(q, k, v, sri.expand(1, 2, s, sri.shape[-1]).contiguous(), causal, f"{label} {name}", **kw)
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_builders(fwd_path, name):
+    run_builder(name, 64, fwd_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,11 +452,7 @@ def test_hopper_d256_random_bounds(hopper_d256, dtype, causal, c, sq, sk):
 @pytest.mark.parametrize("name", BUILDERS)
 def test_hopper_d256_builders(hopper_d256, name):
     """Structured masks: skipped, full and partial blocks side by side, walked by next_block."""
-    s = 1000
-    sri, causal = _builders(s)[name]
-    q, k, v = qkv(1, s, s, 4, 2, 256, torch.bfloat16)
-    run_batched(q, k, v, sri.expand(1, 2, s, sri.shape[-1]).contiguous(), causal,
-                f"sm90 d=256 {name}", backward=False)
+    run_builder(name, 256, "sm90 d=256", backward=False)
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1), (8, 2)])
@@ -490,8 +490,8 @@ def test_hopper_d256_fully_masked_rows_and_batches(hopper_d256, dtype):
                                  attn_mask=flashmask_visible(sri, s, True))
     pt, _ = attention_ref(q, k, v, causal=True, attn_mask=flashmask_visible(sri, s, True),
                           upcast=False)
-    check("out", out, ref, pt, f"sm90 d=256 fully masked")
-    check_lse(lse, ref_lse, f"sm90 d=256 fully masked")
+    check("out", out, ref, pt, "sm90 d=256 fully masked")
+    check_lse(lse, ref_lse, "sm90 d=256 fully masked")
 
 
 def test_hopper_d256_alt_tile_request_keeps_the_base_tile(hopper_d256, tuning):
