@@ -381,12 +381,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const int rows_k = seqlen_k - n_block * kBlockN;
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // head_y: the KV head with kGroupLoop, else the query head (of the expanded buffers).
-  const int64_t dk_seq = kVarlen ? int64_t(k_start) * p.dk_row_stride : batch * p.dk_batch_stride;
-  const int64_t dv_seq = kVarlen ? int64_t(k_start) * p.dv_row_stride : batch * p.dv_batch_stride;
-  Element* dk_tile = static_cast<Element*>(p.dk) + dk_seq + head_y * p.dk_head_stride +
-                     int64_t(n_block) * kBlockN * p.dk_row_stride;
-  Element* dv_tile = static_cast<Element*>(p.dv) + dv_seq + head_y * p.dv_head_stride +
-                     int64_t(n_block) * kBlockN * p.dv_row_stride;
+  // (Each offset written where it is used: the fixed-length kernels' code depends on the order.)
+  Element* dk_tile = static_cast<Element*>(p.dk) +
+                     (kVarlen ? int64_t(k_start) * p.dk_row_stride : batch * p.dk_batch_stride) +
+                     head_y * p.dk_head_stride + int64_t(n_block) * kBlockN * p.dk_row_stride;
+  Element* dv_tile = static_cast<Element*>(p.dv) +
+                     (kVarlen ? int64_t(k_start) * p.dv_row_stride : batch * p.dv_batch_stride) +
+                     head_y * p.dv_head_stride + int64_t(n_block) * kBlockN * p.dv_row_stride;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
     const int row = get<0>(cKV(i)), col = get<1>(cKV(i));
