@@ -112,8 +112,9 @@ int sm80_bwd_kernel_head_dim(int head_dim) { return sm80_kernel_head_dim(head_di
 
 KernelChoice choose_bwd_kernel(const BwdParams& p, const DeviceInfo& dev, const TuningOverrides& o) {
   const int sm90_kd = sm90_bwd_kernel_head_dim(p.head_dim);
+  const bool varlen = p.cu_seqlens_q != nullptr;  // packed dout: no batch stride
   const bool dout_strides = p.do_row_stride > 0 && (p.heads_q == 1 || p.do_head_stride > 0) &&
-                            (p.batch == 1 || p.do_batch_stride > 0);
+                            (varlen || p.batch == 1 || p.do_batch_stride > 0);
   // Varlen runs too (the kernels' kVarlen instantiations); tma_compatible excludes seqused_k.
   const bool sm90_ok = dev.major == 9 && sm90_kd != 0 && dtype_built(p.is_bf16) &&
                        !p.deterministic && !(p.dropout_p > 0.f) && tma_compatible(p) && dout_strides &&
