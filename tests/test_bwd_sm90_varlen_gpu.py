@@ -1,8 +1,9 @@
 """The Hopper (wgmma) backward on varlen (cu_seqlens) batches, forced with FLASH_EXT_BWD_PATH=sm90,
 against the float32 reference per sequence (criterion: tests/test_bwd_gpu.py check_grads), and
-the packed batch against each sequence run alone: dK and dV bitwise equal (a sequence's rows
-are written by its own CTAs only, and the next sequence's rows that its loads run into contribute
-exact zeros), dQ equal up to the order of its fp32 atomics. Skipped without an sm90 GPU (the
+the packed batch against each sequence run alone: dK and dV bitwise equal without GQA (a
+sequence's rows are written by its own CTAs only, and the next sequence's rows that its loads run
+into contribute exact zeros; with GQA a rounding apart, torch's group sum), dQ equal up to the
+order of its fp32 atomics. Skipped without an sm90 GPU (the
 kernel is sm_90a only). Design: docs/kernels-sm90-bwd.md, "Varlen"."""
 
 import pytest
@@ -137,9 +138,14 @@ def test_sm90_varlen_sequences_independent(dtype, d, hq, hkv, lens, kw):
         dq1, dk1, dv1 = _bwd_one(ops, q[rows_q].contiguous(), k[rows_k].contiguous(), v[rows_k].contiguous(),
                                  out[rows_q].contiguous(), lse[:, rows_q].contiguous(), dout[rows_q].contiguous(),
                                  one_q, one_k, lq, lk, kw)
-        assert torch.equal(dk[rows_k], dk1), f"seq {i}: dK differs from the sequence alone"
-        assert torch.equal(dv[rows_k], dv1), f"seq {i}: dV differs from the sequence alone"
-        torch.testing.assert_close(dq[rows_q].float(), dq1.float(), atol=2e-3, rtol=1e-2, msg=f"seq {i}: dQ")
+        if hq == hkv:  # the kernel's own rows: bitwise
+            assert torch.equal(dk[rows_k], dk1), f"seq {i}: dK differs from the sequence alone"
+            assert torch.equal(dv[rows_k], dv1), f"seq {i}: dV differs from the sequence alone"
+        else:  # torch's group sum may add in another order for another size: a rounding apart
+            for name, a, b in (("dK", dk[rows_k], dk1), ("dV", dv[rows_k], dv1)):
+                torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=1e-3 * b.float().abs().max().item(),
+                                           msg=f"seq {i}: {name} differs from the sequence alone")
+        torch.testing.assert_close(dq[rows_q].float(), dq1.float(), atol=2e-3, rtol=2e-2, msg=f"seq {i}: dQ")
 
 
 @requires_sm90
