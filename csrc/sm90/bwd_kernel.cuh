@@ -116,6 +116,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const int head0 = kGroupLoop ? head_y * group : head_y;
   const int warp_group = threadIdx.x / 128;  // 0: producer
   static_assert(!(kVarlen && kGroupLoop), "varlen runs the expand schedule only");
+  // Varlen: a sequence's length, loaded where it is used in the consumers' loop and epilogue
+  // rather than held in a register across the loop (the windowed d = 64 kernel spilled there).
+  auto seq_len = [&](const int* cu) { return cu[batch + 1] - cu[batch]; };
   const int q_start = kVarlen ? p.cu_seqlens_q[batch] : 0;
   const int k_start = kVarlen ? p.cu_seqlens_k[batch] : 0;
   const int seqlen_q = kVarlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
@@ -281,6 +284,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     for (int m_block = m_min; m_block < m_max; m_block = next_step(m_block)) {
       const int stage = read.index(), buf = kHasWindow || kGroupLoop ? stage & 1 : (m_block - m_min) & 1;  // per step
       pipeline_q.consumer_wait(read);
+      // This step's lengths (varlen: reloaded, L1 hits, issued before the GEMMs that hide them).
+      int step_sq = seqlen_q, step_sk = seqlen_k;
+      if constexpr (kVarlen) {
+        step_sq = seq_len(p.cu_seqlens_q);
+        step_sk = seq_len(p.cu_seqlens_k);
+      }
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       warpgroup_gemm_issue<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
@@ -291,8 +300,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       // P^T = exp2(S^T * scale_log2 - lse_log2[query]).
       Tensor st = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
       if (use_softcap) apply_softcap(acc_s, softmax_scale / p.softcap, p.softcap);
-      if (mask.needs_mask(m_block, n_block)) {
-        mask_transposed<kHasWindow>(st, cS_rows, n_block * kBlockN, m_block * kBlockM, seqlen_q, seqlen_k,
+      bool boundary;
+      if constexpr (kVarlen) {
+        boundary = BlockMask<kBlockM, kBlockN, kHasWindow>(step_sq, step_sk, p.window_left, p.window_right)
+                       .needs_mask(m_block, n_block);
+      } else {
+        boundary = mask.needs_mask(m_block, n_block);
+      }
+      if (boundary) {
+        mask_transposed<kHasWindow>(st, cS_rows, n_block * kBlockN, m_block * kBlockM, step_sq, step_sk,
                                     p.window_left, p.window_right);
       }
       if (fm.partial(m_block)) flashmask_apply_transposed(fm, st, cS_rows, m_block, kBlockM);
@@ -378,15 +394,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   // Epilogue: dK (already scaled) and dV in the input dtype, rows < seqlen_k, cols < head_dim.
   // Varlen: seqlen_k is the sequence's, so no row of the next sequence is written.
-  const int rows_k = seqlen_k - n_block * kBlockN;
+  const int rows_k = (kVarlen ? seq_len(p.cu_seqlens_k) : seqlen_k) - n_block * kBlockN;
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // head_y: the KV head with kGroupLoop, else the query head (of the expanded buffers).
   // (Each offset written where it is used: the fixed-length kernels' code depends on the order.)
   Element* dk_tile = static_cast<Element*>(p.dk) +
-                     (kVarlen ? int64_t(k_start) * p.dk_row_stride : batch * p.dk_batch_stride) +
+                     (kVarlen ? int64_t(p.cu_seqlens_k[batch]) * p.dk_row_stride : batch * p.dk_batch_stride) +
                      head_y * p.dk_head_stride + int64_t(n_block) * kBlockN * p.dk_row_stride;
   Element* dv_tile = static_cast<Element*>(p.dv) +
-                     (kVarlen ? int64_t(k_start) * p.dv_row_stride : batch * p.dv_batch_stride) +
+                     (kVarlen ? int64_t(p.cu_seqlens_k[batch]) * p.dv_row_stride : batch * p.dv_batch_stride) +
                      head_y * p.dv_head_stride + int64_t(n_block) * kBlockN * p.dv_row_stride;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
