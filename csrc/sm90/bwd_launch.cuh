@@ -72,6 +72,7 @@ template <typename Traits>
 void run_bwd_varlen(BwdParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
+  static_assert(kBwdSm90PadRows == 128, "varlen_padded_row0 and the varlen preprocess pad to 128 rows");
   if (p.sm90_gqa_loop && p.heads_q != p.heads_kv) {
     raise_error("flash_ext: internal: the Hopper backward has no group loop for varlen batches");
   }
