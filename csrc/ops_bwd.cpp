@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -66,7 +67,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 
   // The fp32 work buffers in one allocation (one call of the caching allocator, not three),
   // each part starting on a 256-byte boundary: D = rowsum(dO * O) and, for the Hopper kernel,
-  // lse * log2(e) (both (batch, heads_q, seqlen_q rounded up), filled by its preprocess kernel;
+  // lse * log2(e) (both (batch, heads_q, seqlen_q rounded up), varlen (heads_q, total_q + 128 batch
+  // rounded up), filled by its preprocess kernel;
   // the sm80 kernels' D is laid out like lse), then the dQ accumulator.
   // Hopper: the accumulator's tiles (BwdParams::dq, sm90/bwd_pre_post_kernels.cuh) are zeroed by its
   // preprocess kernel, and its convert kernel writes dq (laid out like q) directly.
@@ -77,7 +79,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   auto part = [](int64_t n) { return (n + kPartAlign - 1) / kPartAlign * kPartAlign; };
   std::vector<int64_t> dqa_shape;
   int64_t rows = lse.numel();  // of D (and lse * log2(e))
-  if (sm90) {
+  if (sm90 && varlen) {
+    // Per head, sequence b's rows from (cu_seqlens_q[b] + 128 b) rounded down to 128
+    // (sm90::varlen_padded_row0): room for every sequence's rows rounded up to 128.
+    const int64_t padded = (s.total_q + kBwdSm90PadRows * s.batch + kBwdSm90PadRows - 1) / kBwdSm90PadRows * kBwdSm90PadRows;
+    if (padded > std::numeric_limits<int>::max()) {
+      raise_error("flash_ext: varlen backward: total_q too large for the Hopper kernel's padded buffers");
+    }
+    p.seqlen_q_padded = int(padded);
+    rows = s.heads_q * padded;
+    dqa_shape = {s.heads_q, padded, int64_t(kernel.kernel_head_dim)};
+  } else if (sm90) {
     p.seqlen_q_padded = int((s.seqlen_q + kBwdSm90PadRows - 1) / kBwdSm90PadRows * kBwdSm90PadRows);
     rows = s.batch * s.heads_q * p.seqlen_q_padded;
     dqa_shape = {s.batch, s.heads_q, p.seqlen_q_padded, int64_t(kernel.kernel_head_dim)};
@@ -111,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     p.lse_log2 = work_ptr + lse_log2_at;
     dq_sm90 = at::empty(q.sizes(), q.options());
     p.dq = dq_sm90.data_ptr();
-    p.dq_batch_stride = dq_sm90.stride(0);
+    p.dq_batch_stride = varlen ? 0 : dq_sm90.stride(0);
     p.dq_row_stride = dq_sm90.stride(r);
     p.dq_head_stride = dq_sm90.stride(r + 1);
   } else {

@@ -147,7 +147,9 @@ struct BwdParams : FwdParams {
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 
   // Hopper backward only: lse * log2(e) and D in (batch, heads_q, seqlen_q_padded) buffers
-  // (p.dsum then points at the padded D), written by its preprocess kernel.
+  // (p.dsum then points at the padded D), written by its preprocess kernel. Varlen: (heads_q,
+  // seqlen_q_padded), seqlen_q_padded = round_up(total_q + 128 * batch, 128), sequence b's rows
+  // from sm90::varlen_padded_row0 (sm90/bwd_pre_post_kernels.cuh); dq_accum likewise per head.
   float* __restrict__ lse_log2;
   int seqlen_q_padded;
   // Hopper backward only: dq_accum is instead (batch, heads_q, seqlen_q_padded / kBlockM) tiles of

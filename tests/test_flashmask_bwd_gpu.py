@@ -14,8 +14,8 @@ no NaN, and exact zeros where the mask leaves nothing (fully masked rows, unseen
 
 Every test runs on each sm80 backward kernel that has the FlashMask mode: v1, v2 and the small
 tile (FLASH_EXT_BWD_SMALL_TILE=1), on the Hopper backward's FlashMask mode forced with
-FLASH_EXT_BWD_PATH=sm90 (sm90 GPUs only; not the varlen and deterministic tests, which that kernel
-does not run), plus the default dispatch (the Hopper backward on sm90 where it applies, else sm80).
+FLASH_EXT_BWD_PATH=sm90 (sm90 GPUs only; not the deterministic tests, which that kernel does not
+run; varlen included), plus the default dispatch (the Hopper backward on sm90 where it applies, else sm80).
 The GQA tests also run the Hopper backward with each GQA schedule forced (FLASH_EXT_SM90_BWD_GQA:
 expanded buffers, or one CTA per KV head looping over its group, whose FlashMask head is the
 group's: its KV head's bounds or the shared ones).
@@ -47,8 +47,10 @@ def bwd_config(request, tuning):
     if path == "sm90":
         if torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("the Hopper backward needs an sm90 GPU")
-        if "varlen" in request.node.name or "deterministic" in request.node.name:
-            pytest.skip("the Hopper backward has no varlen and no deterministic mode")
+        callspec = getattr(request.node, "callspec", None)
+        deterministic = callspec is not None and callspec.params.get("deterministic", False)
+        if deterministic or request.function.__name__ == "test_deterministic":
+            pytest.skip("the Hopper backward has no deterministic mode")
     tuning.set("FLASH_EXT_BWD_PATH", path)
     tuning.set("FLASH_EXT_BWD_VARIANT", variant)
     tuning.set("FLASH_EXT_BWD_SMALL_TILE", small)

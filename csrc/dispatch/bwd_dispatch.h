@@ -15,9 +15,10 @@ namespace flash_ext {
 template <int kHeadDim, bool kIsBf16>
 void run_bwd_sm80(BwdParams& params, cudaStream_t stream);
 
-// Hopper backward (wgmma + TMA, docs/kernels-sm90-bwd.md), head dims 64, 128 and 256, no varlen,
-// no deterministic mode. Expects p.dsum and p.lse_log2 pointing at (batch, heads_q,
-// seqlen_q_padded) fp32 buffers, seqlen_q_padded a multiple of kBwdSm90PadRows.
+// Hopper backward (wgmma + TMA, docs/kernels-sm90-bwd.md), head dims 64, 128 and 256, fixed-length
+// and varlen, no deterministic mode. Expects p.dsum and p.lse_log2 pointing at (batch, heads_q,
+// seqlen_q_padded) fp32 buffers, seqlen_q_padded a multiple of kBwdSm90PadRows; varlen: (heads_q,
+// seqlen_q_padded) with seqlen_q_padded = round_up(total_q + kBwdSm90PadRows * batch, kBwdSm90PadRows).
 template <int kHeadDim, bool kIsBf16>
 void run_bwd_sm90(BwdParams& params, cudaStream_t stream);
 constexpr int kBwdSm90PadRows = 128;

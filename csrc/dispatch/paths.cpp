@@ -112,9 +112,11 @@ int sm80_bwd_kernel_head_dim(int head_dim) { return sm80_kernel_head_dim(head_di
 
 KernelChoice choose_bwd_kernel(const BwdParams& p, const DeviceInfo& dev, const TuningOverrides& o) {
   const int sm90_kd = sm90_bwd_kernel_head_dim(p.head_dim);
+  const bool varlen = p.cu_seqlens_q != nullptr;  // packed dout: no batch stride
   const bool dout_strides = p.do_row_stride > 0 && (p.heads_q == 1 || p.do_head_stride > 0) &&
-                            (p.batch == 1 || p.do_batch_stride > 0);
-  const bool sm90_ok = dev.major == 9 && sm90_kd != 0 && dtype_built(p.is_bf16) && p.cu_seqlens_q == nullptr &&
+                            (varlen || p.batch == 1 || p.do_batch_stride > 0);
+  // Varlen runs too (the kernels' kVarlen instantiations); tma_compatible excludes seqused_k.
+  const bool sm90_ok = dev.major == 9 && sm90_kd != 0 && dtype_built(p.is_bf16) &&
                        !p.deterministic && !(p.dropout_p > 0.f) && tma_compatible(p) && dout_strides &&
                        p.alibi_slopes == nullptr && (!p.has_flashmask || flashmask_on_sm90_bwd(sm90_kd));
   const KernelPath path = resolve(o.bwd_path, sm90_ok);
@@ -123,7 +125,7 @@ KernelChoice choose_bwd_kernel(const BwdParams& p, const DeviceInfo& dev, const 
     if (!sm90_ok) {
       raise_error("flash_ext: FLASH_EXT_BWD_PATH=sm90 needs an sm90 GPU, a build with 90a in FLASH_EXT_ARCHS "
                   "covering head dim " + std::to_string(p.head_dim) +
-                  " (the Hopper backward has head dims <= 128 and 193-256), no cu_seqlens, deterministic=False, "
+                  " (the Hopper backward has head dims <= 128 and 193-256), deterministic=False, "
                   "dropout_p = 0 and no ALiBi" + kBuildInfo);
     }
     return {path, sm90_kd};

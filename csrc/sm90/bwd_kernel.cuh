@@ -16,6 +16,8 @@
 //                          GQA/MQA (kGroupLoop): one CTA per (key block, KV head, batch) walks
 //                          the query blocks of every query head of its group in turn, so dK
 //                          and dV sum the whole group in fp32 and are written once per KV head.
+//                          kVarlen: packed (cu_seqlens) batches, one CTA per (key block of the
+//                          longest sequence, head, sequence); see "Varlen" in the doc.
 #pragma once
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -56,7 +58,8 @@ struct BwdArgs {
   TmaQ tma_q, tma_do;
   TmaK tma_k, tma_v;
   TensorShape shape_q, shape_k;
-  // Padded (batch, heads_q, seqlen_q_padded) rows written by bwd_preprocess_kernel.
+  // Padded (batch, heads_q, seqlen_q_padded) rows written by bwd_preprocess_kernel; varlen
+  // (heads_q, seqlen_q_padded), a sequence's rows from varlen_padded_row0.
   const float* lse_log2;
   const float* dsum;
   int seqlen_q_padded;
@@ -90,7 +93,10 @@ __device__ __forceinline__ void mask_transposed(TensorS& st, const TensorC& coor
 // (.., heads_kv, d) outputs); else blockIdx.y is a query head (for GQA, dK and dV go to expanded
 // (.., heads_q, d) buffers that the host sums). The group's query heads share the causal / local
 // block range and FlashMask's mask head (their KV head's, or 0), so one range serves them all.
-template <typename Traits, bool kHasWindow, bool kGroupLoop>
+// kVarlen: blockIdx.z is a sequence of a packed batch (cu_seqlens; the TMA tensors are the packed
+// tensors as one batch): its lengths replace seqlen_q / seqlen_k everywhere, its rows start at
+// q_start / k_start, its padded lse / D / dq_accum rows at varlen_padded_row0. No group loop.
+template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Traits::Element;
@@ -109,7 +115,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const int group = kGroupLoop ? p.heads_q / p.heads_kv : 1;
   const int head0 = kGroupLoop ? head_y * group : head_y;
   const int warp_group = threadIdx.x / 128;  // 0: producer
-  const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+  static_assert(!(kVarlen && kGroupLoop), "varlen runs the expand schedule only");
+  // Varlen: a sequence's length, loaded where it is used in the consumers' loop and epilogue
+  // rather than held in a register across the loop (the windowed d = 64 kernel spilled there).
+  auto seq_len = [&](const int* cu) { return cu[batch + 1] - cu[batch]; };
+  const int q_start = kVarlen ? p.cu_seqlens_q[batch] : 0;
+  const int k_start = kVarlen ? p.cu_seqlens_k[batch] : 0;
+  const int seqlen_q = kVarlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
+  const int seqlen_k = kVarlen ? p.cu_seqlens_k[batch + 1] - k_start : p.seqlen_k;
+  // A key block past the sequence's keys: no work and no rows to write (the grid covers the
+  // longest sequence). Every thread leaves here, before any barrier.
+  if (kVarlen && n_block * kBlockN >= seqlen_k) return;
+  // Row of (batch, head0)'s query block 0 in the padded lse / D rows (x kHeadDim: in dq_accum),
+  // computed where used.
+  auto padded_row0 = [&]() -> int64_t {
+    if constexpr (kVarlen) return int64_t(head0) * args.seqlen_q_padded + varlen_padded_row0(p.cu_seqlens_q, batch);
+    else return (int64_t(batch) * p.heads_q + head0) * args.seqlen_q_padded;
+  };
   const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   int m_min, m_max;
   mask.query_block_range(n_block, m_min, m_max);
@@ -149,10 +171,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x != 0 || m_min >= m_max) return;
     const int head_kv = kGroupLoop ? head_y : head0 / (p.heads_q / p.heads_kv);
-    Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q)(_, _, head0, batch);
-    Tensor mdO = args.tma_do.get_tma_tensor(args.shape_q)(_, _, head0, batch);
-    Tensor mK = args.tma_k.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
-    Tensor mV = args.tma_v.get_tma_tensor(args.shape_k)(_, _, head_kv, batch);
+    // (rows, d) of a head of the batch; varlen: of the packed tensors, from the sequence's first
+    // row (rows past the sequence are the next one's, or zero-filled past the tensor's end).
+    auto rows_of = [&](const auto& tma, const auto& shape, int head, int first_row) {
+      if constexpr (kVarlen) {
+        return domain_offset(make_coord(first_row, _0{}), tma.get_tma_tensor(shape)(_, _, head, 0));
+      } else {
+        return tma.get_tma_tensor(shape)(_, _, head, batch);
+      }
+    };
+    Tensor mQ = rows_of(args.tma_q, args.shape_q, head0, q_start);
+    Tensor mdO = rows_of(args.tma_do, args.shape_q, head0, q_start);
+    Tensor mK = rows_of(args.tma_k, args.shape_k, head_kv, k_start);
+    Tensor mV = rows_of(args.tma_v, args.shape_k, head_kv, k_start);
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
@@ -161,7 +192,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    int64_t row_base = (int64_t(batch) * p.heads_q + head0) * args.seqlen_q_padded;
+    int64_t row_base = padded_row0();
 
     Barrier::arrive_and_expect_tx(&ss.barrier_kv, Traits::kTmaBytesKV);
     copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
@@ -231,7 +262,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const bool use_softcap = p.softcap > 0.f;
   // With softcap, tanh(S * scale / cap) is recovered from P: S' = ln(P) + lse (see sm80 bwd).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
-  float* dq_base = p.dq_accum + (int64_t(batch) * p.heads_q + head0) * args.seqlen_q_padded * kHeadDim;
+  float* dq_base = p.dq_accum + padded_row0() * kHeadDim;
   // The next step: the next visible query block, or with kGroupLoop past the last one the first
   // of the next query head (the producer's order).
   int g = 0;
@@ -253,6 +284,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     for (int m_block = m_min; m_block < m_max; m_block = next_step(m_block)) {
       const int stage = read.index(), buf = kHasWindow || kGroupLoop ? stage & 1 : (m_block - m_min) & 1;  // per step
       pipeline_q.consumer_wait(read);
+      // This step's lengths (varlen: reloaded, L1 hits, issued before the GEMMs that hide them).
+      int step_sq = seqlen_q, step_sk = seqlen_k;
+      if constexpr (kVarlen) {
+        step_sq = seq_len(p.cu_seqlens_q);
+        step_sk = seq_len(p.cu_seqlens_k);
+      }
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       warpgroup_gemm_issue<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
@@ -263,8 +300,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       // P^T = exp2(S^T * scale_log2 - lse_log2[query]).
       Tensor st = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
       if (use_softcap) apply_softcap(acc_s, softmax_scale / p.softcap, p.softcap);
-      if (mask.needs_mask(m_block, n_block)) {
-        mask_transposed<kHasWindow>(st, cS_rows, n_block * kBlockN, m_block * kBlockM, seqlen_q, seqlen_k,
+      bool boundary;
+      if constexpr (kVarlen) {
+        boundary = BlockMask<kBlockM, kBlockN, kHasWindow>(step_sq, step_sk, p.window_left, p.window_right)
+                       .needs_mask(m_block, n_block);
+      } else {
+        boundary = mask.needs_mask(m_block, n_block);
+      }
+      if (boundary) {
+        mask_transposed<kHasWindow>(st, cS_rows, n_block * kBlockN, m_block * kBlockM, step_sq, step_sk,
                                     p.window_left, p.window_right);
       }
       if (fm.partial(m_block)) flashmask_apply_transposed(fm, st, cS_rows, m_block, kBlockM);
@@ -349,13 +393,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   }
 
   // Epilogue: dK (already scaled) and dV in the input dtype, rows < seqlen_k, cols < head_dim.
-  const int rows_k = seqlen_k - n_block * kBlockN;
+  // Varlen: seqlen_k is the sequence's, so no row of the next sequence is written.
+  const int rows_k = (kVarlen ? seq_len(p.cu_seqlens_k) : seqlen_k) - n_block * kBlockN;
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // head_y: the KV head with kGroupLoop, else the query head (of the expanded buffers).
-  Element* dk_tile = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head_y * p.dk_head_stride +
-                     int64_t(n_block) * kBlockN * p.dk_row_stride;
-  Element* dv_tile = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head_y * p.dv_head_stride +
-                     int64_t(n_block) * kBlockN * p.dv_row_stride;
+  // (Each offset written where it is used: the fixed-length kernels' code depends on the order.)
+  Element* dk_tile = static_cast<Element*>(p.dk) +
+                     (kVarlen ? int64_t(p.cu_seqlens_k[batch]) * p.dk_row_stride : batch * p.dk_batch_stride) +
+                     head_y * p.dk_head_stride + int64_t(n_block) * kBlockN * p.dk_row_stride;
+  Element* dv_tile = static_cast<Element*>(p.dv) +
+                     (kVarlen ? int64_t(p.cu_seqlens_k[batch]) * p.dv_row_stride : batch * p.dv_batch_stride) +
+                     head_y * p.dv_head_stride + int64_t(n_block) * kBlockN * p.dv_row_stride;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
     const int row = get<0>(cKV(i)), col = get<1>(cKV(i));

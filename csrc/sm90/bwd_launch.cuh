@@ -15,7 +15,7 @@ namespace flash_ext {
 
 namespace sm90 {
 
-template <typename Traits, bool kHasWindow, bool kGroupLoop>
+template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen>
 void launch_bwd(BwdParams& p, cudaStream_t stream) {
   using Args = BwdArgs<Traits>;
   using Element = typename Traits::Element;
@@ -35,10 +35,12 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   args.lse_log2 = p.lse_log2;
   args.dsum = p.dsum;
   args.seqlen_q_padded = p.seqlen_q_padded;
-  args.shape_q = make_shape(p.seqlen_q, p.head_dim, p.heads_q, p.batch);
-  args.shape_k = make_shape(p.seqlen_k, p.head_dim, p.heads_kv, p.batch);
+  // Varlen: the packed tensors as one batch of total rows (a CTA moves to its sequence's rows).
+  args.shape_q = make_shape(kVarlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads_q, kVarlen ? 1 : p.batch);
+  args.shape_k = make_shape(kVarlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, kVarlen ? 1 : p.batch);
   auto gtensor = [&](const void* ptr, auto shape, int64_t row, int64_t head, int64_t batch) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape, make_stride(row, _1{}, head, batch));
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
+                       make_stride(row, _1{}, head, kVarlen ? int64_t(0) : batch));
   };
   auto q_box = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{};
   auto k_box = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{};
@@ -52,13 +54,39 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                              typename Traits::SmemLayoutK{}, k_box, _1{});
 
-  auto kernel = &bwd_kernel<Traits, kHasWindow, kGroupLoop>;
+  auto kernel = &bwd_kernel<Traits, kHasWindow, kGroupLoop, kVarlen>;
   constexpr int smem = Traits::kSmemBytes;
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // Key blocks in blockIdx.x order: under a causal mask block 0 has the most query blocks, so
-  // the longest CTAs start first. With the group loop, one CTA per KV head.
+  // the longest CTAs start first. With the group loop, one CTA per KV head. Varlen: key blocks of
+  // the longest sequence (p.seqlen_k), one z per sequence.
   const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, kGroupLoop ? p.heads_kv : p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
+}
+
+// Varlen (cu_seqlens): the three kernels' kVarlen instantiations, with the expand schedule only
+// (tuning/heuristics.cpp never chooses the group loop for varlen). p.seqlen_q / p.seqlen_k are
+// the longest sequence's; p.seqlen_q_padded the head stride of the padded buffers,
+// round_up(total_q + 128 * batch, 128) (ops_bwd.cpp).
+template <typename Traits>
+void run_bwd_varlen(BwdParams& p, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  static_assert(kBwdSm90PadRows == 128, "varlen_padded_row0 and the varlen preprocess pad to 128 rows");
+  if (p.sm90_gqa_loop && p.heads_q != p.heads_kv) {
+    raise_error("flash_ext: internal: the Hopper backward has no group loop for varlen batches");
+  }
+  {
+    constexpr int kRowsPerCta = 256 / (kHeadDim / 8);
+    const int rows = (p.seqlen_q + kBwdSm90PadRows - 1) / kBwdSm90PadRows * kBwdSm90PadRows;
+    const dim3 grid(rows / kRowsPerCta, p.heads_q, p.batch);
+    bwd_preprocess_kernel<Element, kHeadDim, true><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded);
+  }
+  if (p.seqlen_k > 0) {
+    p.has_window ? launch_bwd<Traits, true, false, true>(p, stream) : launch_bwd<Traits, false, false, true>(p, stream);
+  }
+  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
+  bwd_dq_convert_kernel<Traits, true><<<grid, Traits::kMmaThreads, 0, stream>>>(p);
 }
 
 }  // namespace sm90
@@ -72,24 +100,28 @@ void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
       kHeadDim <= 64, sm90::BwdTraits<kHeadDim, 128, 128, 2, Element>,
       std::conditional_t<kHeadDim <= 128, sm90::BwdTraits<kHeadDim, 64, 128, 2, Element>,
                          sm90::BwdTraits<kHeadDim, 64, 64, 2, Element>>>;
+  if (p.cu_seqlens_q != nullptr) {
+    sm90::run_bwd_varlen<Traits>(p, stream);
+    return;
+  }
   {
     constexpr int kRowsPerCta = 256 / (kHeadDim / 8);
     // Whole CTAs past the padding exit, so every warp's shuffles see all of its lanes.
     static_assert(kBwdSm90PadRows % kRowsPerCta == 0);
     const dim3 grid((p.seqlen_q_padded + kRowsPerCta - 1) / kRowsPerCta, p.heads_q, p.batch);
-    sm90::bwd_preprocess_kernel<Element, kHeadDim><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded);
+    sm90::bwd_preprocess_kernel<Element, kHeadDim, false><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded);
   }
   if (p.seqlen_k > 0) {
     // The group loop only for GQA/MQA (with one query head per KV head it is the other kernel).
     const bool loop = p.sm90_gqa_loop && p.heads_q != p.heads_kv;
     if (p.has_window) {
-      loop ? sm90::launch_bwd<Traits, true, true>(p, stream) : sm90::launch_bwd<Traits, true, false>(p, stream);
+      loop ? sm90::launch_bwd<Traits, true, true, false>(p, stream) : sm90::launch_bwd<Traits, true, false, false>(p, stream);
     } else {
-      loop ? sm90::launch_bwd<Traits, false, true>(p, stream) : sm90::launch_bwd<Traits, false, false>(p, stream);
+      loop ? sm90::launch_bwd<Traits, false, true, false>(p, stream) : sm90::launch_bwd<Traits, false, false, false>(p, stream);
     }
   }
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
-  sm90::bwd_dq_convert_kernel<Traits><<<grid, Traits::kMmaThreads, 0, stream>>>(p);
+  sm90::bwd_dq_convert_kernel<Traits, false><<<grid, Traits::kMmaThreads, 0, stream>>>(p);
 }
 
 }  // namespace flash_ext

@@ -27,12 +27,23 @@ __device__ __forceinline__ int dq_accum_slot(int i, int thread) {
   return ((i / 4) * Traits::kMmaThreads + thread) * 4 + i % 4;
 }
 
+// Varlen: the padded buffers are (heads_q, seqlen_q_padded) rows (x kernel head dim for
+// dq_accum) and sequence b's rows of a head start at this row, a multiple of 128; the next
+// sequence's start at least round_up(its seqlen_q, 128) rows later, so every query block of b
+// stays inside b's rows. seqlen_q_padded = round_up(total_q + 128 * batch, 128) holds them all.
+__device__ __forceinline__ int64_t varlen_padded_row0(const int* cu_seqlens_q, int batch) {
+  return (int64_t(cu_seqlens_q[batch]) + 128 * int64_t(batch)) / 128 * 128;
+}
+
 // D = rowsum(dO * O) over the real head dim, and lse in log2 units, into the padded buffers.
 // kHeadDim / 8 threads per row, 16 bytes of O and dO each (a d = 64 row is 8 threads: a warp per
 // row left 3/4 of the lanes idle); rows past seqlen_q (up to the padding) get D = 0, lse = +inf.
 // Rows that see no key (lse = -inf, output 0) also get lse = +inf: P = exp2(s - inf) = 0, never
 // NaN. The threads also zero their row's kHeadDim floats of dq_accum, so no separate memset runs.
-template <typename Element, int kHeadDim>
+// kVarlen: (batch, row) is row `row` of sequence `batch` (rows from cu_seqlens_q[batch] in o, dO
+// and lse); the grid covers the longest sequence, and a CTA past round_up(seqlen_q, 128) rows of
+// its sequence exits (kRowsPerCta divides 128: whole CTAs, as at the fixed-length padding).
+template <typename Element, int kHeadDim, bool kVarlen>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_constant__ BwdParams p, float* lse_log2,
                                                              float* dsum, int seqlen_q_padded) {
   constexpr int kThreadsPerRow = kHeadDim / 8;
@@ -41,16 +52,22 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_consta
   const int head = blockIdx.y, batch = blockIdx.z;
   const int t = threadIdx.x % kThreadsPerRow;
   const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow;
-  if (row >= seqlen_q_padded) return;
-  const int64_t out = (int64_t(batch) * p.heads_q + head) * seqlen_q_padded + row;
+  const int q_start = kVarlen ? p.cu_seqlens_q[batch] : 0;
+  const int seqlen_q = kVarlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
+  if (row >= (kVarlen ? (seqlen_q + 127) / 128 * 128 : seqlen_q_padded)) return;
+  const int64_t out = kVarlen ? int64_t(head) * seqlen_q_padded + varlen_padded_row0(p.cu_seqlens_q, batch) + row
+                              : (int64_t(batch) * p.heads_q + head) * seqlen_q_padded + row;
   float4* dqa_row = reinterpret_cast<float4*>(p.dq_accum + out * kHeadDim);
   dqa_row[2 * t] = make_float4(0.f, 0.f, 0.f, 0.f);
   dqa_row[2 * t + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
   float acc = 0.f;
-  if (row < p.seqlen_q && t * 8 < p.head_dim) {  // head_dim is a multiple of 8 (checked on the host)
-    const Element* o_row = static_cast<const Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+  if (row < seqlen_q && t * 8 < p.head_dim) {  // head_dim is a multiple of 8 (checked on the host)
+    // Varlen: no batch stride, the sequence's rows start at q_start.
+    const int64_t o_seq = kVarlen ? int64_t(q_start) * p.o_row_stride : batch * p.o_batch_stride;
+    const int64_t do_seq = kVarlen ? int64_t(q_start) * p.do_row_stride : batch * p.do_batch_stride;
+    const Element* o_row = static_cast<const Element*>(p.o) + o_seq + head * p.o_head_stride +
                            int64_t(row) * p.o_row_stride;
-    const Element* do_row = static_cast<const Element*>(p.dout) + batch * p.do_batch_stride +
+    const Element* do_row = static_cast<const Element*>(p.dout) + do_seq +
                             head * p.do_head_stride + int64_t(row) * p.do_row_stride;
     const uint4 a = *reinterpret_cast<const uint4*>(o_row + t * 8);
     const uint4 b = *reinterpret_cast<const uint4*>(do_row + t * 8);
@@ -62,8 +79,10 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_consta
   CUTE_UNROLL
   for (int s = kThreadsPerRow / 2; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
   if (t == 0) {
-    if (row < p.seqlen_q) {
-      const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
+    if (row < seqlen_q) {
+      // lse: (batch, heads, seqlen_q) or varlen (heads, total_q).
+      const int64_t lse_seq = kVarlen ? int64_t(q_start) : batch * p.lse_batch_stride;
+      const float lse = p.lse[lse_seq + head * p.lse_head_stride + row];
       lse_log2[out] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
       dsum[out] = acc;
     } else {
@@ -76,8 +95,9 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_consta
 // dq = dq_accum in the input dtype: one CTA per (query block, head, batch). Each thread reads its
 // own fragment's slots (coalesced 16-byte loads), places the values by their (row, col) in a
 // shared-memory tile, and the CTA writes the rows < seqlen_q, columns < head_dim out with 16-byte
-// stores (element by element when head_dim is not a multiple of 8).
-template <typename Traits>
+// stores (element by element when head_dim is not a multiple of 8). kVarlen: the grid covers the
+// longest sequence; a query block past its sequence exits, the others write the sequence's rows.
+template <typename Traits, bool kVarlen>
 __global__ void __launch_bounds__(Traits::kMmaThreads) bwd_dq_convert_kernel(const __grid_constant__ BwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -86,11 +106,15 @@ __global__ void __launch_bounds__(Traits::kMmaThreads) bwd_dq_convert_kernel(con
   __shared__ alignas(16) Element tile[kBlockM * kCols];
   const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const int tid = threadIdx.x;
+  const int q_start = kVarlen ? p.cu_seqlens_q[batch] : 0;
+  const int seqlen_q = kVarlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
+  if (kVarlen && m_block * kBlockM >= seqlen_q) return;  // the whole CTA, before its barrier
   typename Traits::TiledMmaDQ mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const float* src = p.dq_accum +
-                     ((int64_t(batch) * p.heads_q + head) * p.seqlen_q_padded + int64_t(m_block) * kBlockM) * kHeadDim;
+  const int64_t src_row0 = kVarlen ? int64_t(head) * p.seqlen_q_padded + varlen_padded_row0(p.cu_seqlens_q, batch)
+                                   : (int64_t(batch) * p.heads_q + head) * p.seqlen_q_padded;
+  const float* src = p.dq_accum + (src_row0 + int64_t(m_block) * kBlockM) * kHeadDim;
   CUTE_UNROLL
   for (int i = 0; i < size(cdQ); i += 4) {
     const float4 v = *reinterpret_cast<const float4*>(src + dq_accum_slot<Traits>(i, tid));
@@ -105,8 +129,9 @@ __global__ void __launch_bounds__(Traits::kMmaThreads) bwd_dq_convert_kernel(con
     }
   }
   __syncthreads();
-  const int rows = min(kBlockM, p.seqlen_q - m_block * kBlockM);
-  Element* dst = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+  const int rows = min(kBlockM, seqlen_q - m_block * kBlockM);
+  const int64_t dst_seq = kVarlen ? int64_t(q_start) * p.dq_row_stride : batch * p.dq_batch_stride;
+  Element* dst = static_cast<Element*>(p.dq) + dst_seq + head * p.dq_head_stride +
                  int64_t(m_block) * kBlockM * p.dq_row_stride;
   if (p.head_dim % 8 == 0) {
     constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row

@@ -200,6 +200,7 @@ BwdTile bwd_sm80_pick_tile(int kernel_head_dim) {
 // 10 kBlockM x kBlockN x d FLOPs at ~2.5 TFLOP/s per SM; the bytes at 70% of the DRAM peak).
 bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kd, const DeviceInfo& dev, const TuningOverrides& o) {
   if (p.heads_kv <= 0 || p.heads_q == p.heads_kv) return false;
+  if (p.cu_seqlens_q != nullptr) return false;  // varlen: the kernel has no group loop (expand)
   if (o.sm90_bwd_gqa >= 0) return o.sm90_bwd_gqa == 1;
   const int group = p.heads_q / p.heads_kv;
   const int block_m = sm90_bwd_block_m(kd), block_n = sm90_bwd_block_n(kd);

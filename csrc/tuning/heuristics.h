@@ -111,6 +111,7 @@ BwdTile bwd_sm80_pick_tile(int kernel_head_dim);
 // group's query heads, summing dK and dV in registers and writing them once (BwdParams::
 // sm90_gqa_loop); false for one CTA per query head into expanded buffers summed afterwards.
 // The estimate (heuristics.cpp) weighs the loop's longer CTAs against the expanded buffers' bytes.
+// Varlen calls: always false (the Hopper backward's varlen kernels expand).
 bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kernel_head_dim, const DeviceInfo& dev,
                               const TuningOverrides& o);
 
