@@ -260,6 +260,11 @@ DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t
     // 3064; 16 x 8k: 2859 vs 2801). Paged caches stall a lone CTA per SM on page lookups (1 x
     // 128k, pages of 16: 2100 vs 2610) and keep two ring-2 CTAs per SM.
     ring = kDecodeStagesMid, splits = std::clamp<int64_t>(sms / units, 1, max_splits);
+  } else if (units < sms && paged) {
+    // Paged, fewer tiles than SMs: every shallow slot filled in one wave (three CTAs per SM on an
+    // H100) hides the page lookups better than two per SM (pages of 16: 1 x 128k 2657 at 48
+    // splits vs 2619 at 32; 8 x 64k 2966 at 6 vs 2878 at 4).
+    splits = std::clamp<int64_t>(shallow_slots / units, 1, max_splits);
   } else if (units < 2 * int64_t(sms)) {
     splits = std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits);  // ~two CTAs per SM
   } else if (filled(units, shallow_slots) < 0.75 && filled(units, sms) > filled(units, shallow_slots) + 0.1) {
