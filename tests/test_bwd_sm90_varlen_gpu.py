@@ -96,6 +96,14 @@ def test_sm90_varlen_long(lens_q, lens_k, causal):
                            f"sm90 varlen long {lens_q}/{lens_k} causal={causal}")
 
 
+def _nan_primed_cache(q):
+    """Free blocks of NaN in the caching allocator, of q's size (dq's: the small pool for small
+    shapes) and larger (the op's work buffer), so that rows the backward leaves unwritten in its
+    torch.empty outputs show up as NaN rather than as whatever the memory held."""
+    for n in (q.numel(), 16 * q.numel()):
+        torch.full((n,), float("nan"), device="cuda", dtype=q.dtype)
+
+
 def _bwd_one(ops, q, k, v, out, lse, dout, cq, ck, max_sq, max_sk, kw):
     scale = kw.get("softmax_scale", q.shape[-1] ** -0.5)
     window = kw.get("window", (-1, -1))
@@ -121,9 +129,7 @@ def test_sm90_varlen_sequences_independent(dtype, d, hq, hkv, lens, kw):
     scale = kw.get("softmax_scale", d ** -0.5)
     out, lse = ops.fwd(q, k, v, cq, ck, max(lens_q), max(lens_k), scale, kw.get("causal", False),
                        window[0], window[1], kw.get("softcap", 0.0))
-    # NaN in the memory the caching allocator hands the op next (its work buffer, then dq), so
-    # that rows the backward leaves unwritten show.
-    torch.full((16 * q.numel(),), float("nan"), device="cuda", dtype=q.dtype)
+    _nan_primed_cache(q)
     dq, dk, dv = _bwd_one(ops, q, k, v, out, lse, dout, cq, ck, max(lens_q), max(lens_k), kw)
     assert not dq.isnan().any() and not dk.isnan().any() and not dv.isnan().any()
     total_q, total_k = sum(lens_q), sum(lens_k)
@@ -163,7 +169,7 @@ def test_sm90_varlen_nothing_visible(lens_q, lens_k):
     q, k, v, dout, cq, ck = _packed(lens_q, lens_k, 4, 2, 64, torch.bfloat16, extra_k=2, extra_q=3)
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device="cuda")
-    torch.full((16 * q.numel(),), float("nan"), device="cuda", dtype=q.dtype)  # see above
+    _nan_primed_cache(q)
     for kw in (dict(), dict(causal=True)):
         dq, dk, dv = _bwd_one(ops, q, k, v, out, lse, dout, cq, ck, max(lens_q), max(lens_k), kw)
         for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
