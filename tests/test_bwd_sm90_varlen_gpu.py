@@ -40,9 +40,10 @@ KWS = [dict(), dict(causal=True), dict(window=(32, 8)), dict(window=(100, 0)), d
        dict(causal=True, softcap=5.0), dict(softmax_scale=0.3, causal=True)]
 
 
-def _packed(lens_q, lens_k, hq, hkv, d, dtype, extra_k=0):
-    """Packed q, k, v, dout; extra_k rows of k, v after the last sequence belong to none."""
-    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=dtype)
+def _packed(lens_q, lens_k, hq, hkv, d, dtype, extra_k=0, extra_q=0):
+    """Packed q, k, v, dout; extra_k rows of k, v (extra_q of q, dout) after the last sequence
+    belong to none."""
+    q = torch.randn(sum(lens_q) + extra_q, hq, d, device="cuda", dtype=dtype)
     k = torch.randn(sum(lens_k) + extra_k, hkv, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     dout = torch.randn_like(q)
@@ -95,6 +96,14 @@ def test_sm90_varlen_long(lens_q, lens_k, causal):
                            f"sm90 varlen long {lens_q}/{lens_k} causal={causal}")
 
 
+def _nan_primed_cache(q):
+    """Free blocks of NaN in the caching allocator, of q's size (dq's: the small pool for small
+    shapes) and larger (the op's work buffer), so that rows the backward leaves unwritten in its
+    torch.empty outputs show up as NaN rather than as whatever the memory held."""
+    for n in (q.numel(), 16 * q.numel()):
+        torch.full((n,), float("nan"), device="cuda", dtype=q.dtype)
+
+
 def _bwd_one(ops, q, k, v, out, lse, dout, cq, ck, max_sq, max_sk, kw):
     scale = kw.get("softmax_scale", q.shape[-1] ** -0.5)
     window = kw.get("window", (-1, -1))
@@ -110,19 +119,21 @@ def _bwd_one(ops, q, k, v, out, lse, dout, cq, ck, max_sq, max_sk, kw):
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(32, 8))], ids=str)
 def test_sm90_varlen_sequences_independent(dtype, d, hq, hkv, lens, kw):
     """Each sequence of the packed batch gets exactly the dK, dV it gets alone (same out, lse);
-    rows of k after the last sequence, and the keys of sequences without queries, stay 0; the
-    queries of sequences without keys get dQ = 0."""
+    rows of k after the last sequence, and the keys of sequences without queries, stay 0; rows of
+    q after the last sequence, and the queries of sequences without keys, get dQ = 0."""
     ops = _load_ops()
     lens_q, lens_k = LENS[lens]
-    extra_k = 5
-    q, k, v, dout, cq, ck = _packed(lens_q, lens_k, hq, hkv, d, dtype, extra_k=extra_k)
+    extra_k, extra_q = 5, 3
+    q, k, v, dout, cq, ck = _packed(lens_q, lens_k, hq, hkv, d, dtype, extra_k=extra_k, extra_q=extra_q)
     window = kw.get("window", (-1, -1))
     scale = kw.get("softmax_scale", d ** -0.5)
     out, lse = ops.fwd(q, k, v, cq, ck, max(lens_q), max(lens_k), scale, kw.get("causal", False),
                        window[0], window[1], kw.get("softcap", 0.0))
+    _nan_primed_cache(q)
     dq, dk, dv = _bwd_one(ops, q, k, v, out, lse, dout, cq, ck, max(lens_q), max(lens_k), kw)
     assert not dq.isnan().any() and not dk.isnan().any() and not dv.isnan().any()
-    total_k = sum(lens_k)
+    total_q, total_k = sum(lens_q), sum(lens_k)
+    assert torch.equal(dq[total_q:], torch.zeros_like(dq[total_q:])), "dQ of rows past the last sequence"
     assert torch.equal(dk[total_k:], torch.zeros_like(dk[total_k:])), "dK written past the last sequence"
     assert torch.equal(dv[total_k:], torch.zeros_like(dv[total_k:])), "dV written past the last sequence"
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
@@ -146,6 +157,23 @@ def test_sm90_varlen_sequences_independent(dtype, d, hq, hkv, lens, kw):
                 torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=1e-3 * b.float().abs().max().item(),
                                            msg=f"seq {i}: {name} differs from the sequence alone")
         torch.testing.assert_close(dq[rows_q].float(), dq1.float(), atol=2e-3, rtol=2e-2, msg=f"seq {i}: dQ")
+
+
+@requires_sm90
+@pytest.mark.parametrize("lens_q,lens_k", [([0, 0], [3, 5]), ([3, 5], [0, 0])], ids=str)
+def test_sm90_varlen_nothing_visible(lens_q, lens_k):
+    """Every sequence without queries (max_seqlen_q = 0) or without keys (max_seqlen_k = 0), with
+    rows of q and k that belong to no sequence: all gradients 0, no grid of 0 CTAs. The backward
+    alone (out = 0, lse = -inf as the forward leaves rows that see nothing)."""
+    ops = _load_ops()
+    q, k, v, dout, cq, ck = _packed(lens_q, lens_k, 4, 2, 64, torch.bfloat16, extra_k=2, extra_q=3)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device="cuda")
+    _nan_primed_cache(q)
+    for kw in (dict(), dict(causal=True)):
+        dq, dk, dv = _bwd_one(ops, q, k, v, out, lse, dout, cq, ck, max(lens_q), max(lens_k), kw)
+        for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+            assert torch.equal(g, torch.zeros_like(g)), f"{name} {kw}"
 
 
 @requires_sm90

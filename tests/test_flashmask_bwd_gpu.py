@@ -271,11 +271,12 @@ def test_gqa(dtype, d, hq, hkv, hm, causal, c):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("causal,c", [(True, 1), (False, 2), (False, 4)])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_varlen(dtype, causal, c, deterministic):
+@pytest.mark.parametrize("d", [64, 128, 256])  # the Hopper backward: 128-key blocks, 64 at d = 256
+def test_varlen(dtype, causal, c, deterministic, d):
     seqs = [(100, 100), (1, 300), (257, 129), (0, 5), (400, 400)]
     bl = [random_bounds(2, sk, sq, c, causal) for sq, sk in seqs]
-    run(seqs, 4, 2, 2, 64, dtype, bl, causal, deterministic=deterministic, varlen=True,
-        label=f"varlen C={c} det={deterministic}")
+    run(seqs, 4, 2, 2, d, dtype, bl, causal, deterministic=deterministic, varlen=True,
+        label=f"varlen C={c} det={deterministic} d={d}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)

@@ -76,7 +76,9 @@ void run_bwd_varlen(BwdParams& p, cudaStream_t stream) {
   if (p.sm90_gqa_loop && p.heads_q != p.heads_kv) {
     raise_error("flash_ext: internal: the Hopper backward has no group loop for varlen batches");
   }
-  {
+  // max_seqlen_q may be 0 with total_q > 0 (every sequence empty, the tokens in none): no grid of
+  // 0 CTAs; the convert kernel's extra column still zeroes dq there.
+  if (p.seqlen_q > 0) {
     constexpr int kRowsPerCta = 256 / (kHeadDim / 8);
     const int rows = (p.seqlen_q + kBwdSm90PadRows - 1) / kBwdSm90PadRows * kBwdSm90PadRows;
     const dim3 grid(rows / kRowsPerCta, p.heads_q, p.batch);
@@ -85,7 +87,8 @@ void run_bwd_varlen(BwdParams& p, cudaStream_t stream) {
   if (p.seqlen_k > 0) {
     p.has_window ? launch_bwd<Traits, true, false, true>(p, stream) : launch_bwd<Traits, false, false, true>(p, stream);
   }
-  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
+  // One column more than the longest sequence's query blocks: it zeroes dq's rows outside every sequence.
+  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM + 1, p.heads_q, p.batch);
   bwd_dq_convert_kernel<Traits, true><<<grid, Traits::kMmaThreads, 0, stream>>>(p);
 }
 

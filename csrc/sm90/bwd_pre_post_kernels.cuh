@@ -92,11 +92,39 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_consta
   }
 }
 
+// Varlen: zeroes head `head`'s rows of dq outside every sequence (before cu_seqlens_q[0] and from
+// cu_seqlens_q[batch] to total_q: a packed tensor may hold tokens of no sequence, and dq is
+// allocated uninitialized), as the sm80 path's zeroed dq_accum leaves them. The CTAs
+// (part, head) for part in [0, parts) share the rows.
+template <typename Element, int kThreads>
+__device__ __forceinline__ void zero_dq_outside_sequences(const BwdParams& p, int head, int part, int parts) {
+  const int before = p.cu_seqlens_q[0], after = p.cu_seqlens_q[p.batch];
+  const int rows = before + (p.total_q - after);
+  const bool vec = p.head_dim % 8 == 0;
+  const int per_row = vec ? p.head_dim / 8 : p.head_dim;  // 16-byte chunks, or elements
+  const int lanes = min(per_row, kThreads), rows_per_pass = kThreads / lanes;
+  const int lane = threadIdx.x % lanes, r0 = threadIdx.x / lanes;
+  if (r0 >= rows_per_pass) return;
+  Element* dst = static_cast<Element*>(p.dq) + head * p.dq_head_stride;
+  for (int64_t r = part * rows_per_pass + r0; r < rows; r += parts * rows_per_pass) {
+    Element* row = dst + (r < before ? r : after + (r - before)) * p.dq_row_stride;
+    for (int i = lane; i < per_row; i += lanes) {
+      if (vec) {
+        *reinterpret_cast<uint4*>(row + i * 8) = make_uint4(0u, 0u, 0u, 0u);
+      } else {
+        row[i] = Element(0.f);
+      }
+    }
+  }
+}
+
 // dq = dq_accum in the input dtype: one CTA per (query block, head, batch). Each thread reads its
 // own fragment's slots (coalesced 16-byte loads), places the values by their (row, col) in a
 // shared-memory tile, and the CTA writes the rows < seqlen_q, columns < head_dim out with 16-byte
 // stores (element by element when head_dim is not a multiple of 8). kVarlen: the grid covers the
-// longest sequence; a query block past its sequence exits, the others write the sequence's rows.
+// longest sequence plus one column of CTAs; a query block past its sequence exits, the others
+// write the sequence's rows; the extra column's CTAs zero the rows outside every sequence
+// (zero_dq_outside_sequences).
 template <typename Traits, bool kVarlen>
 __global__ void __launch_bounds__(Traits::kMmaThreads) bwd_dq_convert_kernel(const __grid_constant__ BwdParams p) {
   using Element = typename Traits::Element;
@@ -106,6 +134,12 @@ __global__ void __launch_bounds__(Traits::kMmaThreads) bwd_dq_convert_kernel(con
   __shared__ alignas(16) Element tile[kBlockM * kCols];
   const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const int tid = threadIdx.x;
+  if constexpr (kVarlen) {
+    if (m_block == int(gridDim.x) - 1) {  // the extra column
+      zero_dq_outside_sequences<Element, Traits::kMmaThreads>(p, head, batch, int(gridDim.z));
+      return;
+    }
+  }
   const int q_start = kVarlen ? p.cu_seqlens_q[batch] : 0;
   const int seqlen_q = kVarlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
   if (kVarlen && m_block * kBlockM >= seqlen_q) return;  // the whole CTA, before its barrier
