@@ -250,19 +250,31 @@ def test_varlen(fwd_path, causal, c):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
-def test_fully_masked_rows_and_batches(fwd_path, dtype):
-    s = 260
+def fully_masked_bounds(s):
+    """Causal C = 1 bounds for 3 batch rows of s tokens: in row 0 the queries >= 200 see no key,
+    in row 1 none sees any, row 2 is plain causal."""
     sri = torch.full((3, 1, s, 1), s, dtype=torch.int32, device="cuda")
     sri[0, 0, :, 0] = torch.arange(1, s + 1, device="cuda").clamp(max=200)  # rows >= 200: none
     sri[1] = 0  # batch row 1: every row masked
+    return sri
+
+
+def assert_fully_masked(out, lse):
+    """The rows of fully_masked_bounds that see no key: output 0 and lse -inf."""
+    assert (out[0, 200:] == 0).all() and torch.isneginf(lse[0, :, 200:]).all()
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+def test_fully_masked_rows_and_batches(fwd_path, dtype):
+    s = 260
+    sri = fully_masked_bounds(s)
     q, k, v = (t.requires_grad_() for t in qkv(3, s, s, 2, 1, 128, dtype))
     out, lse = flash_ext.flashmask_attention(q, k, v, sri, return_lse=True)
     out.backward(torch.randn_like(out))
     for t in (out, lse, q.grad, k.grad, v.grad):
         assert not t.isnan().any()
-    assert (out[0, 200:] == 0).all() and torch.isneginf(lse[0, :, 200:]).all()
-    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    assert_fully_masked(out, lse)
     assert (q.grad[0, 200:] == 0).all() and (q.grad[1] == 0).all()
     assert (k.grad[1] == 0).all() and (v.grad[1] == 0).all()
     assert torch.isfinite(lse[0, :, :200]).all() and torch.isfinite(lse[2]).all()
@@ -477,14 +489,11 @@ def test_hopper_d256_softcap(hopper_d256, dtype, causal, c):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 def test_hopper_d256_fully_masked_rows_and_batches(hopper_d256, dtype):
     s = 260
-    sri = torch.full((3, 1, s, 1), s, dtype=torch.int32, device="cuda")
-    sri[0, 0, :, 0] = torch.arange(1, s + 1, device="cuda").clamp(max=200)  # rows >= 200: none
-    sri[1] = 0  # batch row 1: every row masked
+    sri = fully_masked_bounds(s)
     q, k, v = qkv(3, s, s, 2, 1, 256, dtype)
     out, lse = flash_ext.flashmask_attention(q, k, v, sri, return_lse=True)
     assert not out.isnan().any() and not lse.isnan().any()
-    assert (out[0, 200:] == 0).all() and torch.isneginf(lse[0, :, 200:]).all()
-    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    assert_fully_masked(out, lse)
     assert torch.isfinite(lse[0, :, :200]).all() and torch.isfinite(lse[2]).all()
     ref, ref_lse = attention_ref(q.float(), k.float(), v.float(), causal=True,
                                  attn_mask=flashmask_visible(sri, s, True))

@@ -87,8 +87,8 @@ struct DecodeParams {
 // ring; keys per block by kernel head dim kd: 64 (4 warps of 16 keys), 32 at kd = 256 (2 warps),
 // so that the shallow ring fits the 99 KB of sm86 / sm89. The ring depths compiled: 2 (3 CTAs per
 // SM at kd <= 128 on an H100), 3 (two CTAs per SM on an H100) and 4 (one CTA per SM; fits an
-// A100's 163 KB). A ring of 6 lost to 4 in every cell of the H100 sweep (docs/perf-notes.md,
-// Session 23).
+// A100's 163 KB). A ring of 6 lost to 4 in every cell of the H100 sweep (docs/perf-notes.md:
+// the deeper decode ring).
 constexpr int kDecodeBlockM = 16;
 constexpr int kDecodeStagesShallow = 2;
 constexpr int kDecodeStagesDeep = 4;

@@ -128,7 +128,7 @@ struct DecodeConfig {
 // blocks of the cache's capacity (never device values: no sync, and a captured graph stays valid
 // as the cache fills). requested > 0 forces that many splits (at most kDecodeMaxSplits);
 // ring_override 2, 3 or 4 forces the depth (0: chosen; never deeper than deepest_ring). H100
-// sweeps (docs/perf-notes.md, Sessions 22-23): one ring-4 CTA per SM where splits are short, one
+// sweeps (docs/perf-notes.md: the ring x splits sweeps): one ring-4 CTA per SM where splits are short, one
 // ring-3 CTA per SM for fewer tiles than SMs (contiguous caches), else about two ring-2 CTAs per
 // SM; ring 3 where whole waves of one CTA per SM fill the GPU better; at two waves or more, a
 // second split only where it evens out the last wave.
