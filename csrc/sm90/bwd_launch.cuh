@@ -97,16 +97,17 @@ void run_bwd_varlen(BwdParams& p, cudaStream_t stream) {
 template <int kHeadDim, bool kIsBf16>
 void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
   using Element = std::conditional_t<kIsBf16, cutlass::bfloat16_t, cutlass::half_t>;
-  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
+  if (p.batch == 0 || p.heads_q == 0) return;
   // (head dim, kBlockM queries, kBlockN keys, stages): see docs/kernels-sm90-bwd.md.
   using Traits = std::conditional_t<
       kHeadDim <= 64, sm90::BwdTraits<kHeadDim, 128, 128, 2, Element>,
       std::conditional_t<kHeadDim <= 128, sm90::BwdTraits<kHeadDim, 64, 128, 2, Element>,
                          sm90::BwdTraits<kHeadDim, 64, 64, 2, Element>>>;
-  if (p.cu_seqlens_q != nullptr) {
+  if (p.cu_seqlens_q != nullptr) {  // before the seqlen_q test: max_seqlen_q = 0 still zeroes dq's rows
     sm90::run_bwd_varlen<Traits>(p, stream);
     return;
   }
+  if (p.seqlen_q == 0) return;
   {
     constexpr int kRowsPerCta = 256 / (kHeadDim / 8);
     // Whole CTAs past the padding exit, so every warp's shuffles see all of its lanes.
