@@ -272,7 +272,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   const DecodeConfig config = choose_decode_config(
       int(num_splits), batch * heads_kv * m_blocks, dev.sms, int64_t(dev.sms) * ctas_per_sm,
       decode_deepest_ring(kd, int(dev.smem_optin_bytes)),
-      block_table.has_value(), (c.capacity + decode_block_n(kd) - 1) / decode_block_n(kd), tuning_overrides().decode_ring);
+      block_table.has_value(), (c.capacity + decode_block_n(kd) - 1) / decode_block_n(kd), tuning_overrides().decode_ring,
+      dev.dram_bytes_per_s);
   p.num_splits = config.splits;
   p.ring_stages = config.ring_stages;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
