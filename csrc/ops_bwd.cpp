@@ -142,6 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // writes (.., heads_kv, d) directly. Expanded, both live in one buffer (dK then dV), so that one
   // reduction sums both.
   p.sm90_gqa_loop = sm90 && choose_sm90_bwd_gqa_loop(p, kernel.kernel_head_dim, dev, overrides);
+  p.sm90_lpt_section = sm90 ? choose_sm90_bwd_lpt_section(p, kernel.kernel_head_dim, p.sm90_gqa_loop, dev, overrides) : 0;
   const bool expand = s.heads_q != s.heads_kv && !p.sm90_gqa_loop;
   std::vector<int64_t> kv_shape(k.sizes().begin(), k.sizes().end());
   if (expand) kv_shape[kv_shape.size() - 2] = s.heads_q;

@@ -170,6 +170,10 @@ struct BwdParams : FwdParams {
   // to 1 where it is not compiled or does not fit), 1 = bwd_kernel. Resolved by the host from the
   // tuning overrides (csrc/tuning/overrides.h).
   int variant;
+  // Hopper backward, fixed length: > 0 launches the 1-D longest-first grid with sections of this
+  // many (head, batch) units (sm90/bwd_tile_order.h; tuning/heuristics.h
+  // choose_sm90_bwd_lpt_section), 0 the 3-D grid. After `variant`: no field moves.
+  int sm90_lpt_section;
 };
 
 }  // namespace flash_ext

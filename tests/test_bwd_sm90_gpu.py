@@ -79,6 +79,24 @@ def test_sm90_gqa_schedules_long(schedule, sq, sk, causal, tuning):
 
 
 @requires_sm90
+@pytest.mark.parametrize("lpt", ["0", "1"])
+@pytest.mark.parametrize("schedule", ["expand", "loop"])
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", [
+    (2, 2048, 2048, 8, 2, 128, dict(causal=True)),  # several L2 sections, the last one short
+    (2, 2048, 2048, 8, 8, 64, dict(causal=True)),
+    (3, 1500, 1400, 4, 2, 128, dict()),  # forced on without a mask
+    (2, 700, 900, 4, 1, 256, dict(causal=True)),
+    (1, 300, 530, 4, 2, 128, dict(window=(100, 0))),
+], ids=str)
+def test_sm90_lpt_order(lpt, schedule, b, sq, sk, hq, hkv, d, kw, tuning):
+    """The longest-first CTA order (FLASH_EXT_SM90_BWD_LPT=1, sm90/bwd_tile_order.h) and the 3-D
+    grid (0) both give the reference's gradients: every (key block, head, batch) once."""
+    tuning.set("FLASH_EXT_SM90_BWD_LPT", lpt)
+    tuning.set("FLASH_EXT_SM90_BWD_GQA", schedule)
+    run_case(b, sq, sk, hq, hkv, d, torch.bfloat16, f"sm90 lpt={lpt} {schedule} {hq}/{hkv} d={d} {kw}", **kw)
+
+
+@requires_sm90
 @pytest.mark.parametrize("d,kw", [(64, dict(causal=True)), (128, dict()), (256, dict(window=(200, 0)))], ids=str)
 def test_sm90_gqa_schedules_agree(d, kw, tuning):
     """Both schedules give the same gradients up to the rounding of the expanded buffers (the

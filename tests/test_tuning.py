@@ -24,6 +24,7 @@ SWITCHES = {  # name -> (default, another allowed value)
     "FLASH_EXT_BWD_SMALL_TILE": ("0", "1"),
     "FLASH_EXT_DECODE_RING": ("auto", "4"),
     "FLASH_EXT_SM90_BWD_GQA": ("auto", "loop"),
+    "FLASH_EXT_SM90_BWD_LPT": ("auto", "1"),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

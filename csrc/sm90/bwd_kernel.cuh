@@ -37,6 +37,7 @@
 #include "sm90/bwd_flashmask.h"
 #include "sm90/bwd_kernel_traits.h"
 #include "sm90/bwd_pre_post_kernels.cuh"
+#include "sm90/bwd_tile_order.h"
 #include "sm90/warpgroup.h"
 
 namespace flash_ext::sm90 {
@@ -110,7 +111,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const BwdParams& p = args.p;
-  const int n_block = blockIdx.x, head_y = blockIdx.y, batch = blockIdx.z;
+  int n_block, head_y, batch;
+  if constexpr (kVarlen) {
+    n_block = blockIdx.x, head_y = blockIdx.y, batch = blockIdx.z;
+  } else {
+    bwd_tile_of_cta(p, (p.seqlen_k + kBlockN - 1) / kBlockN, kGroupLoop ? p.heads_kv : p.heads_q, n_block, head_y, batch);
+  }
   // Query heads [head0, head0 + group) in turn; one (head0 = blockIdx.y) without kGroupLoop.
   const int group = kGroupLoop ? p.heads_q / p.heads_kv : 1;
   const int head0 = kGroupLoop ? head_y * group : head_y;

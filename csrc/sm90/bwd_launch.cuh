@@ -60,7 +60,10 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   // Key blocks in blockIdx.x order: under a causal mask block 0 has the most query blocks, so
   // the longest CTAs start first. With the group loop, one CTA per KV head. Varlen: key blocks of
   // the longest sequence (p.seqlen_k), one z per sequence.
-  const dim3 grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, kGroupLoop ? p.heads_kv : p.heads_q, p.batch);
+  // The longest-first order (sm90/bwd_tile_order.h) is one dimension of the same CTAs.
+  const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, heads_y = kGroupLoop ? p.heads_kv : p.heads_q;
+  const bool lpt = !kVarlen && p.sm90_lpt_section > 0;
+  const dim3 grid = lpt ? dim3(unsigned(n_blocks) * heads_y * p.batch) : dim3(n_blocks, heads_y, p.batch);
   kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
 }
 

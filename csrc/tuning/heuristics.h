@@ -115,6 +115,15 @@ BwdTile bwd_sm80_pick_tile(int kernel_head_dim);
 bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kernel_head_dim, const DeviceInfo& dev,
                               const TuningOverrides& o);
 
+// The Hopper backward's CTA order for fixed-length calls (sm90/bwd_tile_order.h): the (head,
+// batch) units per section of the longest-first 1-D grid, or 0 for the 3-D grid. Longest first
+// where key blocks differ in length (a causal mask: block 0 has the most query blocks), in
+// sections whose Q, dO, lse, D and dq_accum fill at most 40% of L2; head dims <= 128 (d = 256
+// lost 1.9% in this order).
+// FLASH_EXT_SM90_BWD_LPT = 0 | 1 forces it off or on (on: also without a causal mask).
+int choose_sm90_bwd_lpt_section(const FwdParams& p, int kernel_head_dim, bool group_loop, const DeviceInfo& dev,
+                                const TuningOverrides& o);
+
 // Flash-Decoding's launch (docs/design-flash-decoding.md 2.1): how many splits of the keys, and
 // the ring's depth (decode/decode_params.h).
 struct DecodeConfig {

@@ -24,6 +24,7 @@ enum Switch {
   kBwdSmallTile,
   kDecodeRing,
   kSm90BwdGqa,
+  kSm90BwdLpt,
   kSwitches
 };
 
@@ -43,6 +44,7 @@ constexpr SwitchSpec kSpecs[kSwitches] = {
     {"FLASH_EXT_BWD_SMALL_TILE", {"0", "1", nullptr, nullptr}},
     {"FLASH_EXT_DECODE_RING", {"auto", "2", "3", "4", nullptr}},
     {"FLASH_EXT_SM90_BWD_GQA", {"auto", "expand", "loop", nullptr}},
+    {"FLASH_EXT_SM90_BWD_LPT", {"auto", "0", "1", nullptr}},
 };
 
 // The index of `value` among the switch's spellings ("" = the default); raises on others.
@@ -109,6 +111,7 @@ TuningOverrides tuning_overrides() {
   constexpr int kRings[] = {0, 2, 3, 4};  // auto, then the spellings' depths
   o.decode_ring = kRings[at(kDecodeRing)];
   o.sm90_bwd_gqa = tristate_of(at(kSm90BwdGqa));
+  o.sm90_bwd_lpt = tristate_of(at(kSm90BwdLpt));
   return o;
 }
 

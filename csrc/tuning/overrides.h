@@ -35,6 +35,9 @@ struct TuningOverrides {
   // CTA per query head into expanded dK/dV buffers or one per KV head looping over its group
   // (-1 auto, 0 expand, 1 loop).
   int sm90_bwd_gqa = -1;
+  // FLASH_EXT_SM90_BWD_LPT = auto | 0 | 1: the Hopper backward's longest-first CTA order (-1
+  // auto: causal fixed-length calls; 1 also without a mask).
+  int sm90_bwd_lpt = -1;
 };
 
 // The overrides in force now (the environment's, as changed by set_tuning). Cheap: a few
