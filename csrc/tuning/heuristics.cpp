@@ -287,6 +287,10 @@ DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t
     splits = std::clamp<int64_t>(shallow_slots / units, 1, max_splits);
   } else if (units < 2 * int64_t(sms)) {
     splits = std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits);  // ~two CTAs per SM
+    // Paged, on GPUs of more DRAM bandwidth than an H100's: two ring-3 CTAs per SM keep 2 blocks
+    // in flight each (H200, 32 x 16k, pages of 16: 3616 GB/s vs 3284 on ring 2; contiguous 4327 vs
+    // 4385, so contiguous caches keep ring 2).
+    if (paged && dram_bytes_per_s > kDecodeFillAllSlotsBytesPerS) ring = kDecodeStagesMid;
   } else if (filled(units, shallow_slots) < 0.75 && filled(units, sms) > filled(units, shallow_slots) + 0.1) {
     // The shallow ring's last wave is short where one or two CTAs per SM fill theirs: ring 3 (two
     // per SM) beat ring 4 (one) and ring 2 (three) at 64 x 4k: 2921 vs 2886 vs 2833 GB/s; pages

@@ -143,7 +143,8 @@ struct DecodeConfig {
 // second split only where it evens out the last wave.
 // dram_bytes_per_s: the device's peak (DeviceInfo; 0 if not reported). Above
 // kDecodeFillAllSlotsBytesPerS (an H200's 4.8 TB/s, not an H100's 3.35) contiguous caches with
-// fewer tiles than SMs fill every shallow slot, as paged ones do.
+// fewer tiles than SMs fill every shallow slot, as paged ones do, and paged caches with one to two
+// tiles per SM run two ring-3 CTAs per SM.
 constexpr double kDecodeFillAllSlotsBytesPerS = 4.0e12;
 DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t shallow_slots, int deepest_ring,
                                   bool paged, int64_t key_blocks, int ring_override, double dram_bytes_per_s);
