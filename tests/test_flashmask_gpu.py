@@ -212,6 +212,32 @@ def test_builders(fwd_path, name):
     run_builder(name, 64, fwd_path)
 
 
+def _long_masks(s):
+    """Masks over s = 6000 tokens (47 key blocks of 128, 94 of 64) whose runs of skipped and
+    partial blocks cross 32-block boundaries: the Hopper consumers classify 32 key blocks per
+    window (sm90/fwd_mask.h), the producer block by block."""
+    return {
+        "causal_document": M.causal_document([4200, 30, 1, 1769], s, device="cuda"),
+        "shared_question": M.shared_question(s // 3, [s // 7] * 4, s, device="cuda"),
+        "prefix_lm": M.prefix_lm(s // 2, None, s, device="cuda"),
+        "sliding_window": M.sliding_window(1100, s, device="cuda"),
+        "global_sliding_window": M.global_sliding_window(70, 700, s, device="cuda"),
+        "causal_blockwise": M.causal_blockwise([4100, 1000, 900], s, device="cuda"),
+        "random_c4": (random_bounds(1, 1, s, s, False, 4), False),
+    }
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("name", ["causal_document", "shared_question", "prefix_lm", "sliding_window",
+                                  "global_sliding_window", "causal_blockwise", "random_c4"])
+def test_long_masks(fwd_path, name, d):
+    s = 6000
+    sri, causal = _long_masks(s)[name]
+    q, k, v = qkv(1, s, s, 4, 2, d, torch.bfloat16)
+    run_batched(q, k, v, sri.expand(1, 1, s, sri.shape[-1]).contiguous(), causal,
+                f"{fwd_path} long {name} d={d}", backward=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Varlen
 # ---------------------------------------------------------------------------------------------
