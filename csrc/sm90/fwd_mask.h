@@ -30,17 +30,9 @@ struct CausalLocalMask : BlockMask<kBlockM, kBlockN, kHasWindow> {
 // no mask: p.has_window false) and the seqlen_k edge. A key block's class for the tile's rows
 // [row0, min(row0 + kBlockM, seqlen_q)) comes from the key-block summaries: kFmSkip blocks are
 // never visited (the range's ends are shrunk past them, next_block jumps over them), kFmPartial
-// ones get the interval test per score after the usual mask. Tiles start at row 0 (no row
-// shift). Rows are the query rows of the sequence.
-//
-// The producer (one thread) classifies block by block (two 16-byte loads each, through L1). The
-// consumers (whole warps: threadIdx.x >= 128) classify 32 blocks at once: lane i reads block
-// lo + i's summary and two ballots give the window's skip and partial bits, kept for the walk, so
-// that a block's class costs bit operations instead of loads on the consumers' critical path
-// (block by block, the FlashMask forward with nothing masked beyond causal ran 15% below the
-// causal kernel). Both classify with the same fm_classify on the same summaries: they walk the
-// same blocks. A consumer walk also prefetches into L1 the column bounds of the next partial
-// block, which apply_rows reads a block later.
+// ones get the interval test per score after the usual mask. The class is recomputed where it
+// is needed (two 16-byte loads that hit L1/L2) instead of being handed from producer to consumers.
+// Tiles start at row 0 (no row shift). Rows are the query rows of the sequence.
 template <int kBlockM, int kBlockN>
 struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   using Base = BlockMask<kBlockM, kBlockN, true>;
@@ -49,16 +41,9 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   const int4* nb;   // this tile's (mask head, batch row): normalized bounds of column 0
   const int4* kbs;  // its summary pair of key block 0 (of p.fm.block_n columns)
   int fm_block_n;
-  bool by_window;            // a consumer: whole warps classify 32 blocks at a time
-  mutable int win_lo;        // first block of the window held (by_window)
-  mutable uint32_t win_skip, win_partial;  // bit i: block win_lo + i is kFmSkip / kFmPartial
 
   __device__ __forceinline__ FlashMaskPolicy(const FwdParams& p, const SeqInfo& seq, int head, int batch)
-      : Base(seq.seqlen_q, seq.seqlen_k, p.has_window ? p.window_left : -1, p.has_window ? p.window_right : -1),
-        by_window(threadIdx.x >= 128),
-        win_lo(-64),
-        win_skip(0u),
-        win_partial(0u) {
+      : Base(seq.seqlen_q, seq.seqlen_k, p.has_window ? p.window_left : -1, p.has_window ? p.window_right : -1) {
     const int64_t g = head / p.fm.group;
     nb = p.fm.nb + g * p.fm.nb_head_stride + fm_col0(p.fm, p.cu_seqlens_k, batch);
     kbs = p.fm.kbs + 2 * (g * p.fm.kbs_head_stride + fm_blk0(p.fm, p.cu_seqlens_k, batch));
@@ -85,74 +70,12 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     return cls;
   }
 
-  // by_window: the classes of blocks [lo, lo + 32) (blocks outside the sequence's count as skipped).
-  __device__ __forceinline__ void load_window(int row0, int lo) const {
-    const int b = lo + int(threadIdx.x % 32);
-    const int c = b >= 0 && b * kBlockN < this->seqlen_k ? block_class(row0, b) : int(kFmSkip);
-    win_skip = __ballot_sync(0xffffffffu, c == kFmSkip);
-    win_partial = __ballot_sync(0xffffffffu, c == kFmPartial);
-    win_lo = lo;
-  }
-
-  // Class of block n: from the window (loaded to end at n where it does not hold n: the walk
-  // goes down), or block by block in the producer.
-  __device__ __forceinline__ int cls(int row0, int n) const {
-    if (!by_window) return block_class(row0, n);
-    if (unsigned(n - win_lo) >= 32u) load_window(row0, n - 31);
-    const uint32_t bit = 1u << (n - win_lo);
-    return (win_skip & bit) ? int(kFmSkip) : (win_partial & bit) ? int(kFmPartial) : int(kFmFull);
-  }
-
-  // by_window: the highest block in [lo, n] that is not skipped (lo - 1 if none), and the
-  // lowest in [n, hi] (hi + 1 if none).
-  __device__ __forceinline__ int highest_visible(int row0, int n, int lo) const {
-    while (n >= lo) {
-      if (unsigned(n - win_lo) >= 32u) load_window(row0, n - 31);
-      const int top = n - win_lo;
-      const uint32_t visible = ~win_skip & (top == 31 ? 0xffffffffu : (2u << top) - 1u);
-      if (visible != 0u) {
-        const int h = win_lo + 31 - __clz(visible);
-        return h >= lo ? h : lo - 1;
-      }
-      n = win_lo - 1;
-    }
-    return lo - 1;
-  }
-  __device__ __forceinline__ int lowest_visible(int row0, int n, int hi) const {
-    while (n <= hi) {
-      if (unsigned(n - win_lo) >= 32u) load_window(row0, n);
-      const uint32_t visible = ~win_skip & (0xffffffffu << (n - win_lo));
-      if (visible != 0u) {
-        const int l = win_lo + __ffs(visible) - 1;
-        return l <= hi ? l : hi + 1;
-      }
-      n = win_lo + 32;
-    }
-    return hi + 1;
-  }
-
-  // by_window: block n's column bounds (kBlockN int4) into L1 when it is partial, one line per
-  // thread of the first kBlockN / 8 of the warpgroup, ahead of apply_rows.
-  __device__ __forceinline__ void prefetch_bounds(int row0, int n) const {
-    if (cls(row0, n) != kFmPartial) return;
-    const int i = int(threadIdx.x % 128);
-    if (i < kBlockN / 8 && n * kBlockN + 8 * i < this->seqlen_k) {
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(nb + n * kBlockN + 8 * i));
-    }
-  }
-
   // The usual range, then its ends moved past skipped blocks (an empty range if all are). The
-  // producer prefetches the range's summaries into L1 (a lane per block) before its scan.
+  // range's summaries are prefetched into L1 (each warp's lanes a block each), so that the
+  // walk's next_block and the masks read them there instead of paying an L2 round trip per block
+  // in the producer's and the consumers' loop headers.
   __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
     Base::key_block_range_rows(row0, n_min, n_max);
-    if (by_window) {
-      n_max = highest_visible(row0, n_max - 1, n_min) + 1;
-      if (n_max > n_min) {
-        n_min = lowest_visible(row0, n_min, n_max - 1);
-        prefetch_bounds(row0, n_max - 1);
-      }
-      return;
-    }
     if (fm_block_n == kBlockN) {
       for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
         asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
@@ -165,17 +88,12 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   // The next block below n that is not skipped; n_min (not skipped) stops the scan, and below
   // it the result is n_min - 1 (the walk's end).
   __device__ __forceinline__ int next_block(int row0, int n, int n_min) const {
-    if (by_window) {
-      const int next = highest_visible(row0, n - 1, n_min);
-      if (next >= n_min) prefetch_bounds(row0, next);
-      return next;
-    }
     for (--n; n > n_min && block_class(row0, n) == kFmSkip; --n) {}
     return n;
   }
 
   __device__ __forceinline__ bool needs_mask_rows(int row0, int n) const {
-    return Base::needs_mask_rows(row0, n) || cls(row0, n) == kFmPartial;
+    return Base::needs_mask_rows(row0, n) || block_class(row0, n) == kFmPartial;
   }
 
   // The usual mask, then for a partial block the interval test per score: each column's bounds
@@ -185,7 +103,7 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0, int n) const {
     using namespace cute;
     Base::apply_rows(scores, coords, row0, n);
-    if (cls(row0, n) != kFmPartial) return;
+    if (block_class(row0, n) != kFmPartial) return;
     const int col0 = n * kBlockN;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(scores); ++c) {
@@ -218,7 +136,7 @@ struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN> {
     constexpr int kTurn = 4;  // columns per turn
     static_assert(kCols <= 32 && kCols % kTurn == 0, "one 32-bit word of column bits per row");
     Policy::Base::apply_rows(scores, coords, row0, n);
-    if (this->cls(row0, n) != kFmPartial) return;
+    if (this->block_class(row0, n) != kFmPartial) return;
     const int col0 = n * kBlockN;
     uint32_t bits[kRows];
     CUTE_UNROLL
