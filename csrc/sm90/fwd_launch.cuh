@@ -3,10 +3,12 @@
 // launch of the kernel with the tile and grid of the call's config (chosen on the host by
 // tuning/heuristics.cpp, with its reasons; docs/kernels-sm90.md).
 #pragma once
-#include "common/kernel_smem.h"
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
+#include <string>
+
+#include "common/kernel_smem.h"
 #include "dispatch/fwd_dispatch.h"
 #include "error.h"
 #include "tuning/heuristics.h"
@@ -80,6 +82,10 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
     // policy's mask spilled 138 bytes: there the low-register form reads the bounds a few columns
     // at a time.
     constexpr Sm90FwdTile kFmTile = sm90_fwd_tile(Traits::kHeadDim, false);
+    if (p.fm.block_n != kN) {  // the policy reads one summary per key block of the tile
+      raise_error("flash_ext: FlashMask summaries made for key blocks of " + std::to_string(p.fm.block_n) +
+                  " columns; the Hopper forward's tile has " + std::to_string(kN));
+    }
     if constexpr (kM == kFmTile.block_m && kN == kFmTile.block_n && Traits::kHeadDim == 256) {
       launch_fwd<Traits, FlashMaskPolicyLowRegs<kM, kN>, true>(p, config, stream);
     } else if constexpr (kM == kFmTile.block_m && kN == kFmTile.block_n) {

@@ -28,46 +28,43 @@ struct CausalLocalMask : BlockMask<kBlockM, kBlockN, kHasWindow> {
 
 // FlashMask (common/flashmask.h, docs/design-flashmask.md 4.1) on top of the causal rule (or of
 // no mask: p.has_window false) and the seqlen_k edge. A key block's class for the tile's rows
-// [row0, min(row0 + kBlockM, seqlen_q)) comes from the key-block summaries: kFmSkip blocks are
-// never visited (the range's ends are shrunk past them, next_block jumps over them), kFmPartial
-// ones get the interval test per score after the usual mask. The class is recomputed where it
-// is needed (two 16-byte loads that hit L1/L2) instead of being handed from producer to consumers.
-// Tiles start at row 0 (no row shift). Rows are the query rows of the sequence.
-template <int kBlockM, int kBlockN>
+// [row0, min(row0 + kBlockM, seqlen_q)) comes from the key-block summaries, made for this
+// kernel's kBlockN (the launch checks): kFmSkip blocks are never visited (the range's ends are
+// shrunk past them, next_block jumps over them), kFmPartial ones get the interval test per score
+// after the usual mask. Each side computes a block's class from the summaries (two 16-byte loads
+// that hit L1/L2) instead of having it handed from producer to consumers; with kCacheClass the
+// class last computed is kept, so that a consumer computes it once per visited block (in the
+// walk's next_block) instead of three times (next_block, needs_mask_rows, apply_rows): the
+// FlashMask forward ran 32% more instructions than the causal kernel with nothing masked beyond
+// causal (docs/perf-notes.md, Session 25). Tiles start at row 0 (no row shift). Rows are the
+// query rows of the sequence.
+template <int kBlockM, int kBlockN, bool kCacheClass = true>
 struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   using Base = BlockMask<kBlockM, kBlockN, true>;
   static constexpr bool kVisitsEveryBlock = false;
 
   const int4* nb;   // this tile's (mask head, batch row): normalized bounds of column 0
-  const int4* kbs;  // its summary pair of key block 0 (of p.fm.block_n columns)
-  int fm_block_n;
+  const int4* kbs;  // its summary pair of key block 0 (of kBlockN columns)
+  mutable int cached_n = -1, cached_class = kFmFull;  // kCacheClass: the class last computed
 
   __device__ __forceinline__ FlashMaskPolicy(const FwdParams& p, const SeqInfo& seq, int head, int batch)
       : Base(seq.seqlen_q, seq.seqlen_k, p.has_window ? p.window_left : -1, p.has_window ? p.window_right : -1) {
     const int64_t g = head / p.fm.group;
     nb = p.fm.nb + g * p.fm.nb_head_stride + fm_col0(p.fm, p.cu_seqlens_k, batch);
     kbs = p.fm.kbs + 2 * (g * p.fm.kbs_head_stride + fm_blk0(p.fm, p.cu_seqlens_k, batch));
-    fm_block_n = p.fm.block_n;
   }
 
-  // Class of key block n (kBlockN columns) for the tile's rows, by the intervals alone. Where
-  // the summaries were made for another block size, the summaries of every block that overlaps
-  // n's columns below seqlen_k are combined (a summary of more columns is still sound: all of
-  // them skip -> skip, all full -> full, else partial).
+  // Class of key block n for the tile's rows, by the intervals alone.
   __device__ __forceinline__ int block_class(int row0, int n) const {
-    const int r1 = min(row0 + kBlockM, this->seqlen_q);
-    int b = n, b_last = n;
-    if (fm_block_n != kBlockN) {
-      b = n * kBlockN / fm_block_n;
-      b_last = (min((n + 1) * kBlockN, this->seqlen_k) - 1) / fm_block_n;
+    if constexpr (kCacheClass) {
+      if (n == cached_n) return cached_class;
     }
-    int cls = fm_classify(__ldg(kbs + 2 * b), __ldg(kbs + 2 * b + 1), row0, r1);
-#pragma unroll 1
-    for (++b; b <= b_last; ++b) {  // only where the summaries' block size differs: kept rolled
-      const int c = fm_classify(__ldg(kbs + 2 * b), __ldg(kbs + 2 * b + 1), row0, r1);
-      cls = c == cls ? cls : int(kFmPartial);
+    const int c = fm_classify(__ldg(kbs + 2 * n), __ldg(kbs + 2 * n + 1), row0, min(row0 + kBlockM, this->seqlen_q));
+    if constexpr (kCacheClass) {
+      cached_n = n;
+      cached_class = c;
     }
-    return cls;
+    return c;
   }
 
   // The usual range, then its ends moved past skipped blocks (an empty range if all are). The
@@ -76,10 +73,8 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   // in the producer's and the consumers' loop headers.
   __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
     Base::key_block_range_rows(row0, n_min, n_max);
-    if (fm_block_n == kBlockN) {
-      for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
-      }
+    for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
     }
     while (n_max > n_min && block_class(row0, n_max - 1) == kFmSkip) --n_max;
     while (n_min < n_max && block_class(row0, n_min) == kFmSkip) ++n_min;
@@ -122,10 +117,11 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
 // plain apply_rows loads all of a thread's columns' bounds (16 int4 at kBlockN = 64), which ptxas
 // issued together and spilled for; here they are read 4 columns per turn of a rolled loop and
 // reduced at once to one bit per (row, column), and the scores are masked from those bits: at
-// most 16 registers of bounds in flight, kBlockN / 4 L1 loads per partial block as before.
+// most 16 registers of bounds in flight, kBlockN / 4 L1 loads per partial block as before. It
+// keeps no class cache (two more registers).
 template <int kBlockM, int kBlockN>
-struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN> {
-  using Policy = FlashMaskPolicy<kBlockM, kBlockN>;
+struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
+  using Policy = FlashMaskPolicy<kBlockM, kBlockN, false>;
   using Policy::Policy;
 
   template <typename TensorS, typename TensorC>
