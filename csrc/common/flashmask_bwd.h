@@ -18,17 +18,14 @@
 namespace flash_ext {
 
 // kEnabled false: an empty shell (every call folds to the no-mask answer), so that the variants
-// FlashMask does not run on (no window, or dropout) compile exactly as before. kCacheClass: the
-// class last computed is kept (two registers), so that a step's next_visible and partial classify
-// its query block once (the Hopper backward; the sm80 kernels have no registers to spare).
-template <int kBlockM, int kBlockN, bool kEnabled, bool kCacheClass = false>
+// FlashMask does not run on (no window, or dropout) compile exactly as before.
+template <int kBlockM, int kBlockN, bool kEnabled>
 struct FlashMaskKeyBlock {
   // Nothing but the kernel parameters (constant bank) and the CTA's indices: the addresses are
   // recomputed where used, so a windowed call without FlashMask holds no extra live value.
   const FwdParams& p;
   int head, batch, n_block;
   int seqlen_q;         // of this sequence: the last query block ends there, not at a block edge
-  mutable int cached_m = -1, cached_class = kFmFull;  // kCacheClass: the class last computed
 
   __device__ __forceinline__ FlashMaskKeyBlock(const FwdParams& p_, int head_, int batch_,
                                                int n_block_, int seqlen_q_)
@@ -48,17 +45,9 @@ struct FlashMaskKeyBlock {
 
   // kFmSkip / kFmFull / kFmPartial for query block m_block (callers test on() first).
   __device__ __forceinline__ int classify(int m_block) const {
-    if constexpr (kCacheClass) {
-      if (m_block == cached_m) return cached_class;
-    }
     const int r0 = m_block * kBlockM;
     const int4* s = kbs();
-    const int c = fm_classify(__ldg(s), __ldg(s + 1), r0, min(r0 + kBlockM, seqlen_q));
-    if constexpr (kCacheClass) {
-      cached_m = m_block;
-      cached_class = c;
-    }
-    return c;
+    return fm_classify(__ldg(s), __ldg(s + 1), r0, min(r0 + kBlockM, seqlen_q));
   }
 
   // The first query block >= m_block and < m_max that FlashMask does not skip, else m_max. The

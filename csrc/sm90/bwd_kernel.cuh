@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   int m_min, m_max;
   mask.query_block_range(n_block, m_min, m_max);
   // FlashMask (p.has_flashmask): producer and consumers both step with next_visible (no loads, no GEMMs).
-  const FlashMaskKeyBlock<kBlockM, kBlockN, kHasWindow, true> fm(p, head0, batch, n_block, seqlen_q);
+  const FlashMaskKeyBlock<kBlockM, kBlockN, kHasWindow> fm(p, head0, batch, n_block, seqlen_q);
   m_min = fm.next_visible(m_min, m_max);  // none visible: the empty range, dK = dV = 0
 
   if (threadIdx.x == 0) {
