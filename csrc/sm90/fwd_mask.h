@@ -34,10 +34,10 @@ struct CausalLocalMask : BlockMask<kBlockM, kBlockN, kHasWindow> {
 // after the usual mask. Each side computes a block's class from the summaries (two 16-byte loads
 // that hit L1/L2) instead of having it handed from producer to consumers; with kCacheClass the
 // class last computed is kept, so that a consumer computes it once per visited block (in the
-// walk's next_block) instead of three times (next_block, needs_mask_rows, apply_rows): the
-// FlashMask forward ran 32% more instructions than the causal kernel with nothing masked beyond
-// causal (docs/perf-notes.md, Session 25). Tiles start at row 0 (no row shift). Rows are the
-// query rows of the sequence.
+// walk's next_block) instead of three times (next_block, needs_mask_rows, apply_rows), which cost
+// instructions on every visited block (docs/perf-notes.md, "where the Hopper FlashMask kernels
+// lose to varlen on the same documents"). Tiles start at row 0 (no row shift). Rows are the query
+// rows of the sequence.
 template <int kBlockM, int kBlockN, bool kCacheClass = true>
 struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   using Base = BlockMask<kBlockM, kBlockN, true>;
