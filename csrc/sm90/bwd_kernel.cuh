@@ -141,7 +141,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   int m_min, m_max;
   mask.query_block_range(n_block, m_min, m_max);
-  // FlashMask (p.has_flashmask): producer and consumers both step with next_visible (no loads, no GEMMs).
+  // FlashMask (p.has_flashmask): producer and consumers both step with next_visible (no loads, no
+  // GEMMs); after the first step, from the summary pair staged in shared memory below.
   const FlashMaskKeyBlock<kBlockM, kBlockN, kHasWindow> fm(p, head0, batch, n_block, seqlen_q);
   m_min = fm.next_visible(m_min, m_max);  // none visible: the empty range, dK = dV = 0
 
@@ -151,6 +152,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     Barrier::init(&ss.barrier_kv, 1);
+    if (fm.on()) {  // read by every classification of the loops below
+      ss.fm_summary[0] = __ldg(fm.kbs());
+      ss.fm_summary[1] = __ldg(fm.kbs() + 1);
+    }
   }
   typename Pipeline::Params pipe_params;
   pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
@@ -217,7 +222,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
           row_base += args.seqlen_q_padded;
         }
       }
-      for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max)) {
+      for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max, ss.fm_summary)) {
         pipeline_q.producer_acquire(write);
         auto* bar = pipeline_q.producer_get_barrier(write);
         const int stage = write.index();
@@ -273,7 +278,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   // of the next query head (the producer's order).
   int g = 0;
   auto next_step = [&](int m_block) {
-    m_block = fm.next_visible(m_block + 1, m_max);
+    m_block = fm.next_visible(m_block + 1, m_max, ss.fm_summary);
     if constexpr (kGroupLoop) {
       if (m_block >= m_max && ++g < group) {
         m_block = m_min;
@@ -317,7 +322,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         mask_transposed<kHasWindow>(st, cS_rows, n_block * kBlockN, m_block * kBlockM, step_sq, step_sk,
                                     p.window_left, p.window_right);
       }
-      if (fm.partial(m_block)) flashmask_apply_transposed(fm, st, cS_rows, m_block, kBlockM);
+      if (fm.partial(m_block, ss.fm_summary)) flashmask_apply_transposed(fm, st, cS_rows, m_block, kBlockM);
       const float* lse_s = &ss.lse_log2[stage][0];
       const float* dsum_s = &ss.dsum[stage][0];
       CUTE_UNROLL
