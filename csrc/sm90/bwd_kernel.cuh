@@ -97,7 +97,12 @@ __device__ __forceinline__ void mask_transposed(TensorS& st, const TensorC& coor
 // kVarlen: blockIdx.z is a sequence of a packed batch (cu_seqlens; the TMA tensors are the packed
 // tensors as one batch): its lengths replace seqlen_q / seqlen_k everywhere, its rows start at
 // q_start / k_start, its padded lse / D / dq_accum rows at varlen_padded_row0. No group loop.
-template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen>
+// kFlashMask (with kHasWindow): the kernel can run FlashMask (p.has_flashmask decides at run time).
+// Fixed-length FlashMask calls have an instantiation of their own, so that the causal / local
+// kernels compile without its code (sharing one kernel, a FlashMask change moved the causal
+// backward's time by 5-8%: docs/perf-notes.md, Session 25); the varlen windowed kernel keeps both
+// (without FlashMask's code its d = 64 instantiation spilled 68 bytes).
+template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Traits::Element;
@@ -143,7 +148,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   mask.query_block_range(n_block, m_min, m_max);
   // FlashMask (p.has_flashmask): producer and consumers both step with next_visible (no loads, no
   // GEMMs); after the first step, from the summary pair staged in shared memory below.
-  const FlashMaskKeyBlock<kBlockM, kBlockN, kHasWindow> fm(p, head0, batch, n_block, seqlen_q);
+  static_assert(!kFlashMask || kHasWindow, "FlashMask runs in the windowed variant");
+  const FlashMaskKeyBlock<kBlockM, kBlockN, kFlashMask> fm(p, head0, batch, n_block, seqlen_q);
   m_min = fm.next_visible(m_min, m_max);  // none visible: the empty range, dK = dV = 0
 
   if (threadIdx.x == 0) {
