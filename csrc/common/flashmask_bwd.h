@@ -62,6 +62,31 @@ struct FlashMaskKeyBlock {
     return m_block;
   }
 
+  // next_visible and partial with the key block's summary pair read from `summary` (the Hopper
+  // backward stages it in shared memory once per CTA: each classification is then two shared
+  // loads and the compares, not the address arithmetic (a division by the mask group) and two
+  // global loads that made the FlashMask backward execute 18% more instructions than the causal
+  // one with nothing masked beyond causal; docs/perf-notes.md, Session 25).
+  __device__ __forceinline__ int classify_with(const int4* summary, int m_block) const {
+    const int r0 = m_block * kBlockM;
+    return fm_classify(summary[0], summary[1], r0, min(r0 + kBlockM, seqlen_q));
+  }
+  __device__ __forceinline__ int next_visible(int m_block, int m_max, const int4* summary) const {
+    if constexpr (kEnabled) {
+      if (on()) {
+        while (m_block < m_max && classify_with(summary, m_block) == kFmSkip) ++m_block;
+      }
+    }
+    return m_block;
+  }
+  __device__ __forceinline__ bool partial(int m_block, const int4* summary) const {
+    if constexpr (kEnabled) {
+      return on() && classify_with(summary, m_block) == kFmPartial;
+    } else {
+      return false;
+    }
+  }
+
   // True when query block m_block needs the per-column test.
   __device__ __forceinline__ bool partial(int m_block) const {
     if constexpr (kEnabled) {

@@ -97,7 +97,12 @@ __device__ __forceinline__ void mask_transposed(TensorS& st, const TensorC& coor
 // kVarlen: blockIdx.z is a sequence of a packed batch (cu_seqlens; the TMA tensors are the packed
 // tensors as one batch): its lengths replace seqlen_q / seqlen_k everywhere, its rows start at
 // q_start / k_start, its padded lse / D / dq_accum rows at varlen_padded_row0. No group loop.
-template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen>
+// kFlashMask (with kHasWindow): the kernel can run FlashMask (p.has_flashmask decides at run time).
+// Fixed-length FlashMask calls have an instantiation of their own, so that the causal / local
+// kernels compile without its code (sharing one kernel, a FlashMask change moved the causal
+// backward's time by 5-8%: docs/perf-notes.md, Session 25); the varlen windowed kernel keeps both
+// (without FlashMask's code its d = 64 instantiation spilled 68 bytes).
+template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Traits::Element;
@@ -141,8 +146,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const BlockMask<kBlockM, kBlockN, kHasWindow> mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   int m_min, m_max;
   mask.query_block_range(n_block, m_min, m_max);
-  // FlashMask (p.has_flashmask): producer and consumers both step with next_visible (no loads, no GEMMs).
-  const FlashMaskKeyBlock<kBlockM, kBlockN, kHasWindow> fm(p, head0, batch, n_block, seqlen_q);
+  // FlashMask (p.has_flashmask): producer and consumers both step with next_visible (no loads, no
+  // GEMMs); after the first step, from the summary pair staged in shared memory below.
+  static_assert(!kFlashMask || kHasWindow, "FlashMask runs in the windowed variant");
+  const FlashMaskKeyBlock<kBlockM, kBlockN, kFlashMask> fm(p, head0, batch, n_block, seqlen_q);
   m_min = fm.next_visible(m_min, m_max);  // none visible: the empty range, dK = dV = 0
 
   if (threadIdx.x == 0) {
@@ -151,6 +158,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     Barrier::init(&ss.barrier_kv, 1);
+    if (fm.on()) {  // read by every classification of the loops below
+      ss.fm_summary[0] = __ldg(fm.kbs());
+      ss.fm_summary[1] = __ldg(fm.kbs() + 1);
+    }
   }
   typename Pipeline::Params pipe_params;
   pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
@@ -217,7 +228,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
           row_base += args.seqlen_q_padded;
         }
       }
-      for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max)) {
+      for (int m_block = m_min; m_block < m_max; m_block = fm.next_visible(m_block + 1, m_max, ss.fm_summary)) {
         pipeline_q.producer_acquire(write);
         auto* bar = pipeline_q.producer_get_barrier(write);
         const int stage = write.index();
@@ -273,7 +284,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   // of the next query head (the producer's order).
   int g = 0;
   auto next_step = [&](int m_block) {
-    m_block = fm.next_visible(m_block + 1, m_max);
+    m_block = fm.next_visible(m_block + 1, m_max, ss.fm_summary);
     if constexpr (kGroupLoop) {
       if (m_block >= m_max && ++g < group) {
         m_block = m_min;
@@ -317,7 +328,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         mask_transposed<kHasWindow>(st, cS_rows, n_block * kBlockN, m_block * kBlockM, step_sq, step_sk,
                                     p.window_left, p.window_right);
       }
-      if (fm.partial(m_block)) flashmask_apply_transposed(fm, st, cS_rows, m_block, kBlockM);
+      if (fm.partial(m_block, ss.fm_summary)) flashmask_apply_transposed(fm, st, cS_rows, m_block, kBlockM);
       const float* lse_s = &ss.lse_log2[stage][0];
       const float* dsum_s = &ss.dsum[stage][0];
       CUTE_UNROLL

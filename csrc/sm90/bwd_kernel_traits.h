@@ -106,6 +106,7 @@ struct BwdTraits {
     alignas(128) float dsum[kStages][kBlockM];
     typename Pipeline::SharedStorage pipeline_q;
     uint64_t barrier_kv;
+    int4 fm_summary[2];  // FlashMask: the CTA's key-block summary pair (common/flashmask_bwd.h)
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");

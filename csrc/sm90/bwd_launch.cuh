@@ -15,16 +15,17 @@ namespace flash_ext {
 
 namespace sm90 {
 
-template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen>
+template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask>
 void launch_bwd(BwdParams& p, cudaStream_t stream) {
   using Args = BwdArgs<Traits>;
   using Element = typename Traits::Element;
   static_assert(kBwdSm90PadRows % Traits::kBlockM == 0);
   static_assert(Traits::kBlockN == sm90_bwd_block_n(Traits::kHeadDim), "FlashMask summaries' block size");
   static_assert(Traits::kBlockM == sm90_bwd_block_m(Traits::kHeadDim), "the GQA schedule's estimate");
-  // FlashMask runs in the windowed variant only, on summaries made for this kernel's key blocks.
+  // FlashMask runs in the kFlashMask instantiations of the windowed kernel, on summaries made for
+  // this kernel's key blocks.
   if (p.has_flashmask) {
-    if (!kHasWindow) raise_error("flash_ext: internal: FlashMask backward launched without the windowed variant");
+    if (!kFlashMask) raise_error("flash_ext: internal: FlashMask backward launched in a kernel without it");
     if (p.fm.block_n != Traits::kBlockN) {
       raise_error("flash_ext: FlashMask backward: key-block summaries made for block_n = " +
                   std::to_string(p.fm.block_n) + ", the Hopper backward kernel uses " + std::to_string(Traits::kBlockN));
@@ -54,7 +55,7 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                              typename Traits::SmemLayoutK{}, k_box, _1{});
 
-  auto kernel = &bwd_kernel<Traits, kHasWindow, kGroupLoop, kVarlen>;
+  auto kernel = &bwd_kernel<Traits, kHasWindow, kGroupLoop, kVarlen, kFlashMask>;
   constexpr int smem = Traits::kSmemBytes;
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // Key blocks in blockIdx.x order: under a causal mask block 0 has the most query blocks, so
@@ -88,7 +89,8 @@ void run_bwd_varlen(BwdParams& p, cudaStream_t stream) {
     bwd_preprocess_kernel<Element, kHeadDim, true><<<grid, 256, 0, stream>>>(p, p.lse_log2, p.dsum, p.seqlen_q_padded);
   }
   if (p.seqlen_k > 0) {
-    p.has_window ? launch_bwd<Traits, true, false, true>(p, stream) : launch_bwd<Traits, false, false, true>(p, stream);
+    // The windowed varlen kernel runs FlashMask calls too (sm90/bwd_kernel.cuh: kFlashMask).
+    p.has_window ? launch_bwd<Traits, true, false, true, true>(p, stream) : launch_bwd<Traits, false, false, true, false>(p, stream);
   }
   // One column more than the longest sequence's query blocks: it zeroes dq's rows outside every sequence.
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM + 1, p.heads_q, p.batch);
@@ -121,10 +123,15 @@ void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
   if (p.seqlen_k > 0) {
     // The group loop only for GQA/MQA (with one query head per KV head it is the other kernel).
     const bool loop = p.sm90_gqa_loop && p.heads_q != p.heads_kv;
-    if (p.has_window) {
-      loop ? sm90::launch_bwd<Traits, true, true, false>(p, stream) : sm90::launch_bwd<Traits, true, false, false>(p, stream);
+    if (p.has_flashmask) {
+      loop ? sm90::launch_bwd<Traits, true, true, false, true>(p, stream)
+           : sm90::launch_bwd<Traits, true, false, false, true>(p, stream);
+    } else if (p.has_window) {
+      loop ? sm90::launch_bwd<Traits, true, true, false, false>(p, stream)
+           : sm90::launch_bwd<Traits, true, false, false, false>(p, stream);
     } else {
-      loop ? sm90::launch_bwd<Traits, false, true, false>(p, stream) : sm90::launch_bwd<Traits, false, false, false>(p, stream);
+      loop ? sm90::launch_bwd<Traits, false, true, false, false>(p, stream)
+           : sm90::launch_bwd<Traits, false, false, false, false>(p, stream);
     }
   }
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
