@@ -120,6 +120,17 @@ def _build_is_narrowed():
     return narrowed_build_info(info)
 
 
+def built_dtype():
+    """A dtype the extension was built for (bf16 unless FLASH_EXT_DTYPES left it out): for tests
+    of refusals, whose message must not be "this build has no fp16 kernels" instead."""
+    try:
+        import flash_ext
+        fields = dict(kv.split("=", 1) for kv in flash_ext.build_info().split() if "=" in kv)
+    except Exception:  # no extension: the stand-in ops take any dtype
+        return torch.bfloat16
+    return torch.float16 if "bf16" not in fields.get("dtypes", "bf16").split(",") else torch.bfloat16
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -6,7 +6,7 @@ tests/test_bwd_sm90_varlen_gpu.py."""
 import pytest
 import torch
 
-from conftest import requires_cuda
+from conftest import built_dtype, requires_cuda
 from test_bwd_gpu import DTYPES, dname, flash_fwd_bwd, run_case
 
 pytestmark = requires_cuda
@@ -157,7 +157,7 @@ def test_sm90_agrees_with_sm80(dtype, d, kw, tuning):
 def test_sm90_refuses_unsupported(case):
     """Forcing the Hopper backward where it does not apply is a clear error, not a crash."""
     d = 192 if case == "d=192" else 64
-    q = torch.randn(1, 64, 2, d, device="cuda", dtype=torch.float16)
+    q = torch.randn(1, 64, 2, d, device="cuda", dtype=built_dtype())
     kw = dict(deterministic=True) if case == "deterministic" else {}
     if case == "dropout":
         import flash_ext

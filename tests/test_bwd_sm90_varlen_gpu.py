@@ -9,7 +9,7 @@ kernel is sm_90a only). Design: docs/kernels-sm90-bwd.md, "Varlen"."""
 import pytest
 import torch
 
-from conftest import requires_cuda
+from conftest import built_dtype, requires_cuda
 from test_bwd_gpu import DTYPES, _load_ops, check_grads, cu_of, dname, flash_fwd_bwd, ref_grads
 
 pytestmark = requires_cuda
@@ -193,7 +193,7 @@ def test_sm90_varlen_matches_sm80(tuning):
 @requires_sm90
 def test_sm90_varlen_refuses_deterministic():
     """Forced sm90 with varlen and deterministic=True is still a clear error."""
-    q = torch.randn(64, 2, 64, device="cuda", dtype=torch.float16)
+    q = torch.randn(64, 2, 64, device="cuda", dtype=built_dtype())
     cu = torch.tensor([0, 30, 64], device="cuda", dtype=torch.int32)
     with pytest.raises(RuntimeError, match="FLASH_EXT_BWD_PATH=sm90"):
         flash_fwd_bwd(q, q, q, torch.randn_like(q), cu_q=cu, cu_k=cu, max_sq=34, max_sk=34, deterministic=True)
