@@ -7,6 +7,7 @@
 // Causal is window_right = 0.
 #pragma once
 #include <cute/tensor.hpp>
+#include <climits>
 #include <cmath>
 
 namespace flash_ext {

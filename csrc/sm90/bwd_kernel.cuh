@@ -26,7 +26,6 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/pipeline.hpp>
-#include <climits>
 #include <cmath>
 
 #include "common/bwd_params.h"
@@ -65,30 +64,6 @@ struct BwdArgs {
   const float* dsum;
   int seqlen_q_padded;
 };
-
-// Sets masked entries of a transposed score tile (rows = keys, cols = queries) to -inf: the
-// seqlen_k edge and the causal / local window (common/mask.h has the rule; transposed, key j is
-// visible from queries [j - shift - window_right, j - shift + window_left]).
-template <bool kHasWindow, typename TensorS, typename TensorC>
-__device__ __forceinline__ void mask_transposed(TensorS& st, const TensorC& coords, int key0, int query0,
-                                                int seqlen_q, int seqlen_k, int window_left, int window_right) {
-  const int shift = seqlen_k - seqlen_q;
-  CUTE_UNROLL
-  for (int r = 0; r < size<0>(st); ++r) {
-    const int key = key0 + get<0>(coords(r, 0));
-    // Visible tile columns [col_begin, col_end); none past the seqlen_k edge.
-    int col_begin = 0, col_end = key < seqlen_k ? INT_MAX : INT_MIN;
-    if constexpr (kHasWindow) {
-      if (window_right >= 0) col_begin = key - shift - window_right - query0;
-      if (window_left >= 0) col_end = min(col_end, key - shift + window_left - query0 + 1);
-    }
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(st); ++c) {
-      const int col = get<1>(coords(0, c));
-      if (col < col_begin || col >= col_end) st(r, c) = -INFINITY;
-    }
-  }
-}
 
 // kGroupLoop: blockIdx.y is a KV head and the CTA walks its group's query heads (dK, dV go to the
 // (.., heads_kv, d) outputs); else blockIdx.y is a query head (for GQA, dK and dV go to expanded
@@ -293,12 +268,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     }
     return m_block;
   };
+  // kFlashMask: the next visible block and its class are found while the step's first GEMMs run
+  // (fm_next, fm_partial_next), so that no shared load and compare chain stands between the S
+  // GEMM and the exponentials, or at the step's end (docs/perf-notes.md, "the class found one
+  // step ahead"). The group loop's turn to the next head stays at the step's end.
+  int fm_next = 0;
+  bool fm_partial = kFlashMask && fm.partial(m_min, ss.fm_summary), fm_partial_next = false;
+  auto advance = [&](int m_block) {
+    if constexpr (kFlashMask) {
+      if constexpr (kGroupLoop) {
+        if (fm_next >= m_max && ++g < group) {
+          fm_next = m_min;
+          fm_partial_next = fm.partial(m_min, ss.fm_summary);
+          dq_base += int64_t(args.seqlen_q_padded) * kHeadDim;
+        }
+      }
+      fm_partial = fm_partial_next;
+      return fm_next;
+    } else {
+      return next_step(m_block);
+    }
+  };
 
   if (m_min < m_max) {
     Barrier::wait(&ss.barrier_kv, 0);
     PipelineState read;
     static_assert(Traits::kStages % 2 == 0, "dS^T buffer: stage parity alternates per step (FlashMask skips)");
-    for (int m_block = m_min; m_block < m_max; m_block = next_step(m_block)) {
+    for (int m_block = m_min; m_block < m_max; m_block = advance(m_block)) {
       const int stage = read.index(), buf = kHasWindow || kGroupLoop ? stage & 1 : (m_block - m_min) & 1;  // per step
       pipeline_q.consumer_wait(read);
       // This step's lengths (varlen: reloaded, L1 hits, issued before the GEMMs that hide them).
@@ -311,6 +307,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       warpgroup_gemm_issue<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
       warpgroup_gemm_issue<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
+      if constexpr (kFlashMask) {
+        fm_next = fm.next_visible(m_block + 1, m_max, ss.fm_summary);
+        fm_partial_next = fm_next < m_max && fm.partial(fm_next, ss.fm_summary);
+      }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
 
@@ -325,10 +325,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         boundary = mask.needs_mask(m_block, n_block);
       }
       if (boundary) {
-        mask_transposed<kHasWindow>(st, cS_rows, n_block * kBlockN, m_block * kBlockM, step_sq, step_sk,
-                                    p.window_left, p.window_right);
+        KeyBlockMask<kBlockM, kBlockN, kHasWindow>(step_sq, step_sk, p.window_left, p.window_right, n_block)
+            .apply_transposed(st, cS_rows, m_block);
       }
-      if (fm.partial(m_block, ss.fm_summary)) flashmask_apply_transposed(fm, st, cS_rows, m_block, kBlockM);
+      if constexpr (kFlashMask) {
+        if (fm_partial) flashmask_apply_transposed(fm, st, cS_rows, m_block, kBlockM);
+      }
       const float* lse_s = &ss.lse_log2[stage][0];
       const float* dsum_s = &ss.dsum[stage][0];
       CUTE_UNROLL
