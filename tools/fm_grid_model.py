@@ -94,6 +94,11 @@ def main():
                     order = [per[m] for s0 in range(0, units, size) for m in reversed(range(len(per)))
                              for _ in range(min(size, units - s0))]
                     cols += f"{n_sec} section(s) {rel(order)} "
+                    if n_sec > 1:  # the same sections, each sorted by cost (longest first)
+                        by_cost = sorted(range(len(per)), key=lambda m: -per[m])
+                        order = [per[m] for s0 in range(0, units, size) for m in by_cost
+                                 for _ in range(min(size, units - s0))]
+                        cols += f"(sorted {rel(order)}) "
             print(f"{name:16s} {s:6d} items {len(per) * units:5d} | {cols}| sorted {rel(srt)}", flush=True)
 
 
