@@ -4,10 +4,12 @@
 // never loaded nor computed, full ones get only the usual causal / seqlen_k mask, partial ones
 // also the per-column interval test.
 //
-// The summary is re-read (two 16-byte read-only loads, L1 hits after the first) at each
-// classification, and its address recomputed from the kernel parameters, rather than held in
-// registers over the loop: the sm80 backward's big tiles already run at 255 registers with
-// spills, and every windowed call (causal training included) would carry those live values.
+// In the sm80 backward the summary is re-read (two 16-byte read-only loads, L1 hits after the
+// first) at each classification, and its address recomputed from the kernel parameters, rather
+// than held in registers over the loop: its big tiles already run at 255 registers with spills,
+// and every windowed call (causal training included) would carry those live values. The Hopper
+// backward stages the pair in shared memory once per CTA and classifies from there (the
+// `summary` overloads).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cmath>
@@ -66,7 +68,8 @@ struct FlashMaskKeyBlock {
   // backward stages it in shared memory once per CTA: each classification is then two shared
   // loads and the compares, not the address arithmetic (a division by the mask group) and two
   // global loads that made the FlashMask backward execute 18% more instructions than the causal
-  // one with nothing masked beyond causal; docs/perf-notes.md, Session 25).
+  // one with nothing masked beyond causal; docs/perf-notes.md, "where the Hopper FlashMask
+  // kernels lose to varlen on the same documents").
   __device__ __forceinline__ int classify_with(const int4* summary, int m_block) const {
     const int r0 = m_block * kBlockM;
     return fm_classify(summary[0], summary[1], r0, min(r0 + kBlockM, seqlen_q));

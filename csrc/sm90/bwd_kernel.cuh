@@ -75,7 +75,8 @@ struct BwdArgs {
 // kFlashMask (with kHasWindow): the kernel can run FlashMask (p.has_flashmask decides at run time).
 // Fixed-length FlashMask calls have an instantiation of their own, so that the causal / local
 // kernels compile without its code (sharing one kernel, a FlashMask change moved the causal
-// backward's time by 5-8%: docs/perf-notes.md, Session 25); the varlen windowed kernel keeps both
+// backward's time by 5-8%: docs/perf-notes.md, "FlashMask in its own Hopper backward
+// instantiation"); the varlen windowed kernel keeps both
 // (without FlashMask's code its d = 64 instantiation spilled 68 bytes).
 template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
