@@ -74,7 +74,9 @@ void launch(FwdParams& p, const at::Tensor& q, const FlashMaskInput& fm_in) {
                                                           : sm80_fwd_block_n(kernel.kernel_head_dim);
     // The Hopper forward under L2 sections: kernel A counts the kept pairs, and a sparse mask's
     // tiles drop the sections on the GPU (p.fm.one_section_below; sm90/tile_scheduler.h).
-    const bool sections = kernel.path == KernelPath::kSm90 && config.section_hb < p.heads_q * p.batch;
+    // (Not past 2^26 query rows: kernel A sums a warp's rows in 32 bits.)
+    const bool sections = kernel.path == KernelPath::kSm90 && config.section_hb < p.heads_q * p.batch &&
+                          p.seqlen_q < (1 << 26);
     fm = set_flashmask_params(p, *fm_in.bounds, *fm_in.shape, *fm_in.cu_seqlens_k, fm_in.causal, block_n, stream,
                               sections);
   }

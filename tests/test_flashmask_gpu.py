@@ -242,7 +242,10 @@ def test_long_masks(fwd_path, name, d):
 def test_sectioned_tile_order(fwd_path, name):
     """64 (head, batch) pairs of 2048 keys: the Hopper forward's L2 rule cuts the tiles into
     sections, and the sparse masks (causal document, sliding window) switch to one section on the
-    GPU from kernel A's count (sm90/tile_scheduler.h): both orders must cover every tile once."""
+    GPU from kernel A's count (sm90/tile_scheduler.h): both orders must cover every tile once.
+    (Whether the switch fires shows only in time: the outputs are the same either way.)"""
+    if fwd_path == "sm80":
+        pytest.skip("the tile order is the Hopper forward's")
     s = 2048
     sri, causal = {  # kept pairs / causal's: ~0.21, ~0.27, ~0.56, ~1.2
         "causal_document": M.causal_document([500, 300, 1, 400, 347, 500], s, device="cuda"),
