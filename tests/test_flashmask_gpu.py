@@ -331,6 +331,19 @@ def test_fully_masked_rows_and_batches(fwd_path, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("causal,c", CASES)
+@pytest.mark.parametrize("sq,sk", [(300, 300), (257, 520), (520, 257), (1000, 130)])
+def test_kept_pairs_count(causal, c, sq, sk):
+    """Kernel A's count of the pairs the bounds keep (the Hopper forward's tile order reads it)
+    equals the dense mask's, over random bounds (padding columns past sk included)."""
+    op = getattr(torch.ops.flash_ext, "flashmask_kept_pairs", None)
+    if op is None:
+        pytest.skip("this build has no flash_ext::flashmask_kept_pairs op")
+    sri = random_bounds(2, 2, sq, sk, causal, c)
+    want = int(flashmask_visible(sri, sq, causal).sum())
+    assert int(op(sri, sq, sk, causal).item()) == want
+
+
 def _summary_op():
     op = getattr(torch.ops.flash_ext, "flashmask_summary", None)
     if op is None:
