@@ -238,14 +238,17 @@ def test_long_masks(fwd_path, name, d):
                 f"{fwd_path} long {name} d={d}", backward=False)
 
 
+@pytest.mark.parametrize("order", ["auto", "rule", "one"])
 @pytest.mark.parametrize("name", ["causal_document", "sliding_window", "shared_question", "prefix_lm"])
-def test_sectioned_tile_order(fwd_path, name):
+def test_sectioned_tile_order(fwd_path, name, order, tuning):
     """64 (head, batch) pairs of 2048 keys: the Hopper forward's L2 rule cuts the tiles into
     sections, and the sparse masks (causal document, sliding window) switch to one section on the
-    GPU from kernel A's count (sm90/tile_scheduler.h): both orders must cover every tile once.
+    GPU from kernel A's count (sm90/tile_scheduler.h): every order (auto, the host's sections
+    forced, one section forced: FLASH_EXT_SM90_FM_FWD_SECTIONS) must cover every tile once.
     (Whether the switch fires shows only in time: the outputs are the same either way.)"""
     if fwd_path == "sm80":
         pytest.skip("the tile order is the Hopper forward's")
+    tuning.set("FLASH_EXT_SM90_FM_FWD_SECTIONS", order)
     s = 2048
     sri, causal = {  # kept pairs / causal's: ~0.21, ~0.27, ~0.56, ~1.2
         "causal_document": M.causal_document([500, 300, 1, 400, 347, 500], s, device="cuda"),
@@ -255,7 +258,7 @@ def test_sectioned_tile_order(fwd_path, name):
     }[name]
     q, k, v = qkv(8, s, s, 8, 8, 128, torch.bfloat16)
     run_batched(q, k, v, sri.expand(8, 1, s, sri.shape[-1]).contiguous(), causal,
-                f"{fwd_path} sectioned {name}", backward=False)
+                f"{fwd_path} sectioned {name} {order}", backward=False)
 
 
 # ---------------------------------------------------------------------------------------------
