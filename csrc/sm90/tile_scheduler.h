@@ -82,10 +82,18 @@ struct TileScheduler {
   // kept in registers, they made the 160-register 192-row d = 64 kernel spill.
   const FwdParams& p;
   bool dynamic = false;  // tiles claimed from a counter (and handed on through a TileRing)
+  // kSparseSections: kernel A's count is under p.fm.one_section_below. Read once per thread at
+  // the kernel's start, where the load's latency hides under the setup (per tile it sat in front
+  // of every tile's first GEMM).
+  bool one_section = false;
 
   __device__ __forceinline__ explicit TileScheduler(const FwdParams& params)
       : num_m_blocks((params.seqlen_q + kBlockM - 1) / kBlockM), heads(params.heads_q),
-        num_tiles(num_m_blocks * params.heads_q * params.batch), p(params) {}
+        num_tiles(num_m_blocks * params.heads_q * params.batch), p(params) {
+    if constexpr (kSparseSections) {
+      one_section = p.fm.visible_pairs != nullptr && (long long)__ldg(p.fm.visible_pairs) < p.fm.one_section_below;
+    }
+  }
   // Under a mask, claims tiles from `counter` (p.tile_counter, which the launch sets for a
   // persistent grid); else, or without one, the static walk.
   __device__ __forceinline__ void claim_from(const int* counter) { dynamic = kMasked && counter != nullptr; }
@@ -179,7 +187,7 @@ struct TileScheduler {
       const int big_hb = p.sm90_section_big_hb;
       int small_hb = p.sm90_section_hb, big = p.sm90_section_big;
       if constexpr (kSparseSections) {
-        if (p.fm.visible_pairs != nullptr && (long long)__ldg(p.fm.visible_pairs) < p.fm.one_section_below) {
+        if (one_section) {
           small_hb = heads * p.batch;
           big = 0;
         }
