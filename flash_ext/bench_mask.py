@@ -271,6 +271,10 @@ def _flex_parts(sri, causal, batch, seqlen):
     """(compiled flex_attention, block mask, its bytes) for the bounds' mask."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from flash_ext.reference import flashmask_intervals
+    # Each cell's mask_mod closes over new tensors, so every cell recompiles; without a reset,
+    # dynamo's recompile limit (8) is hit after a few cells and flex_attention silently falls
+    # back to its unfused form, which materializes the scores (seen: 0.03x, then out of memory).
+    torch._dynamo.reset()
     ls, le, us, ue = (t.reshape(-1).contiguous() for t in
                       flashmask_intervals(sri[0, 0], seqlen, causal))
 
