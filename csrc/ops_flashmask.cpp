@@ -46,6 +46,26 @@ std::tuple<at::Tensor, at::Tensor> flashmask_summary(const at::Tensor& startend_
   return {s.nb, s.kbs};
 }
 
+// Kernel A's count of the (row, column) pairs fixed-length bounds keep, summed over mask heads
+// and batch rows (what the Hopper forward's tile order compares with p.fm.one_section_below):
+// an int64 (1,) tensor.
+at::Tensor flashmask_kept_pairs(const at::Tensor& startend_row_indices, int64_t seqlen_q, int64_t seqlen_k,
+                                bool causal) {
+  const at::Tensor& b = startend_row_indices;
+  check_flashmask_bounds(b, false, causal);
+  FLASH_EXT_CHECK(seqlen_q >= 0 && seqlen_q < (int64_t(1) << 26) && b.size(2) == seqlen_k,
+                  "flash_ext: seqlen_q must be in [0, 2^26) and startend_row_indices must have seqlen_k columns");
+  const c10::cuda::CUDAGuard guard(b.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(b.get_device()).stream();
+  const FlashMaskSummary s = make_flashmask_summary(b, std::nullopt, seqlen_q, seqlen_k, causal, /*block_n=*/128,
+                                                    /*group=*/1, stream, /*count_visible=*/true);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor out = at::empty({1}, b.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), s.view.visible_pairs, sizeof(unsigned long long),
+                                 cudaMemcpyDeviceToDevice, stream));
+  return out;
+}
+
 }  // namespace
 }  // namespace flash_ext
 
@@ -53,6 +73,10 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
   m.def(
       "flashmask_summary(Tensor startend_row_indices, int seqlen_q, int seqlen_k, Tensor? cu_seqlens_k, "
       "bool causal, int block_n) -> (Tensor nb, Tensor kbs)");
+  m.def("flashmask_kept_pairs(Tensor startend_row_indices, int seqlen_q, int seqlen_k, bool causal) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) { m.impl("flashmask_summary", &flash_ext::flashmask_summary); }
+TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {
+  m.impl("flashmask_summary", &flash_ext::flashmask_summary);
+  m.impl("flashmask_kept_pairs", &flash_ext::flashmask_kept_pairs);
+}

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -72,7 +73,16 @@ void launch(FwdParams& p, const at::Tensor& q, const FlashMaskInput& fm_in) {
   if (fm_in.bounds != nullptr) {
     const int block_n = kernel.path == KernelPath::kSm90 ? config.tile.block_n
                                                           : sm80_fwd_block_n(kernel.kernel_head_dim);
-    fm = set_flashmask_params(p, *fm_in.bounds, *fm_in.shape, *fm_in.cu_seqlens_k, fm_in.causal, block_n, stream);
+    // The Hopper forward under L2 sections: kernel A counts the kept pairs, and a sparse mask's
+    // tiles drop the sections on the GPU (p.fm.one_section_below; sm90/tile_scheduler.h).
+    // (Not past 2^26 query rows: kernel A sums a warp's rows in 32 bits.)
+    const bool sections = kernel.path == KernelPath::kSm90 && config.section_hb < p.heads_q * p.batch &&
+                          p.seqlen_q < (1 << 26) && overrides.sm90_fm_fwd_sections != 0;
+    fm = set_flashmask_params(p, *fm_in.bounds, *fm_in.shape, *fm_in.cu_seqlens_k, fm_in.causal, block_n, stream,
+                              sections);
+    if (overrides.sm90_fm_fwd_sections == 1 && p.fm.visible_pairs != nullptr) {
+      p.fm.one_section_below = std::numeric_limits<long long>::max();  // A/B: one section always
+    }
   }
   run_fwd(kernel, p, config, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -271,6 +271,12 @@ def _flex_parts(sri, causal, batch, seqlen):
     """(compiled flex_attention, block mask, its bytes) for the bounds' mask."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from flash_ext.reference import flashmask_intervals
+    # Each cell's mask_mod closes over new tensors, so every cell compiles again; past dynamo's
+    # recompile limit (8) flex_attention silently falls back to its unfused form, which
+    # materializes the scores (seen after 12 cells: 0.03x, then out of memory). A reset per cell
+    # instead cost minutes of compilation per cell.
+    import torch._dynamo.config as dynamo_config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
     ls, le, us, ue = (t.reshape(-1).contiguous() for t in
                       flashmask_intervals(sri[0, 0], seqlen, causal))
 

@@ -238,6 +238,29 @@ def test_long_masks(fwd_path, name, d):
                 f"{fwd_path} long {name} d={d}", backward=False)
 
 
+@pytest.mark.parametrize("order", ["auto", "rule", "one"])
+@pytest.mark.parametrize("name", ["causal_document", "sliding_window", "shared_question", "prefix_lm"])
+def test_sectioned_tile_order(fwd_path, name, order, tuning):
+    """64 (head, batch) pairs of 2048 keys: the Hopper forward's L2 rule cuts the tiles into
+    sections, and the sparse masks (causal document, sliding window) switch to one section on the
+    GPU from kernel A's count (sm90/tile_scheduler.h): every order (auto, the host's sections
+    forced, one section forced: FLASH_EXT_SM90_FM_FWD_SECTIONS) must cover every tile once.
+    (Whether the switch fires shows only in time: the outputs are the same either way.)"""
+    if fwd_path == "sm80":
+        pytest.skip("the tile order is the Hopper forward's")
+    tuning.set("FLASH_EXT_SM90_FM_FWD_SECTIONS", order)
+    s = 2048
+    sri, causal = {  # kept pairs / causal's: ~0.21, ~0.27, ~0.56, ~1.2
+        "causal_document": M.causal_document([500, 300, 1, 400, 347, 500], s, device="cuda"),
+        "sliding_window": M.sliding_window(300, s, device="cuda"),
+        "shared_question": M.shared_question(s // 4, [s // 8] * 6, s, device="cuda"),
+        "prefix_lm": M.prefix_lm(s // 2, None, s, device="cuda"),
+    }[name]
+    q, k, v = qkv(8, s, s, 8, 8, 128, torch.bfloat16)
+    run_batched(q, k, v, sri.expand(8, 1, s, sri.shape[-1]).contiguous(), causal,
+                f"{fwd_path} sectioned {name} {order}", backward=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Varlen
 # ---------------------------------------------------------------------------------------------
@@ -309,6 +332,19 @@ def test_fully_masked_rows_and_batches(fwd_path, dtype):
 # ---------------------------------------------------------------------------------------------
 # Kernel A against the Python transcription, bit for bit
 # ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal,c", CASES)
+@pytest.mark.parametrize("sq,sk", [(300, 300), (257, 520), (520, 257), (1000, 130)])
+def test_kept_pairs_count(causal, c, sq, sk):
+    """Kernel A's count of the pairs the bounds keep (the Hopper forward's tile order reads it)
+    equals the dense mask's, over random bounds (padding columns past sk included)."""
+    op = getattr(torch.ops.flash_ext, "flashmask_kept_pairs", None)
+    if op is None:
+        pytest.skip("this build has no flash_ext::flashmask_kept_pairs op")
+    sri = random_bounds(2, 2, sq, sk, causal, c)
+    want = int(flashmask_visible(sri, sq, causal).sum())
+    assert int(op(sri, sq, sk, causal).item()) == want
 
 
 def _summary_op():

@@ -25,6 +25,7 @@ SWITCHES = {  # name -> (default, another allowed value)
     "FLASH_EXT_DECODE_RING": ("auto", "4"),
     "FLASH_EXT_SM90_BWD_GQA": ("auto", "loop"),
     "FLASH_EXT_SM90_BWD_LPT": ("auto", "1"),
+    "FLASH_EXT_SM90_FM_FWD_SECTIONS": ("auto", "rule"),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

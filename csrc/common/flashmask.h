@@ -42,6 +42,14 @@ struct FlashMaskView {
   int block_n;             // the key-block size the summaries were made for
   int group;               // query heads per mask head: mask head = query head / group
   int empty_row;           // R: the start of an empty interval
+  // Fixed-length Hopper forward only (else nullptr / 0): the number of (query row, key column)
+  // pairs the mask keeps, summed over mask heads and batch rows (kernel A adds it up), and the
+  // count below which the forward's tile order takes one section instead of the host's L2
+  // sections (sm90/tile_scheduler.h): a sparse mask's tiles stream few K/V blocks, so the
+  // sections buy little there and their tail costs ~10% (docs/perf-notes.md, "the FlashMask
+  // forward's sections").
+  const unsigned long long* visible_pairs;
+  long long one_section_below;
 };
 
 enum FmBlockClass : int { kFmSkip = 0, kFmFull = 1, kFmPartial = 2 };

@@ -36,6 +36,17 @@ __device__ __forceinline__ void combine(Summary& a, const Summary& b) {
                      max(a.full.w, b.full.w));
 }
 
+// Rows of column j the mask keeps (fixed length): [r0, seqlen_q) with r0 the causal rule's first
+// row (bottom-right aligned) or 0, less the normalized intervals [ls, le) and [us, ue) (empty ones
+// are (R, R), past every row).
+__device__ __forceinline__ unsigned visible_rows(const FlashMaskSummaryArgs& a, int j, int ls, int le, int us, int ue) {
+  const int sq = a.seqlen_q;
+  const int r0 = a.causal ? min(max(j - (a.seqlen_k - sq), 0), sq) : 0;
+  auto overlap = [&](int lo, int hi) { return max(0, min(hi, sq) - max(lo, r0)); };
+  const int both = overlap(max(ls, us), min(le, ue));
+  return unsigned(sq - r0 - overlap(ls, le) - overlap(us, ue) + both);
+}
+
 __global__ void __launch_bounds__(kChunk) flashmask_summary_kernel(const __grid_constant__ FlashMaskSummaryArgs a) {
   const int chunk = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const bool varlen = a.cu_seqlens_k != nullptr;
@@ -72,6 +83,18 @@ __global__ void __launch_bounds__(kChunk) flashmask_summary_kernel(const __grid_
   }
   const FlashMaskView& v = a.layout;
   a.nb[int64_t(head) * v.nb_head_stride + fm_col0(v, a.cu_seqlens_k, batch) + j] = make_int4(ls, le - ls, us, ue - us);
+  if (a.visible_pairs != nullptr) {  // fixed length only: one add per CTA
+    const unsigned kept = j < len ? visible_rows(a, j, ls, le, us, ue) : 0u;
+    const unsigned long long cta = __reduce_add_sync(0xffffffffu, kept);
+    __shared__ unsigned long long warp_kept[kChunk / 32];
+    if (threadIdx.x % 32 == 0) warp_kept[threadIdx.x / 32] = cta;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned long long sum = 0;
+      for (int w = 0; w < kChunk / 32; ++w) sum += warp_kept[w];
+      atomicAdd(a.visible_pairs, sum);
+    }
+  }
 
   // Summaries: per warp, then the warps of one key block (block_n / 32 of them) together.
   __shared__ Summary warp_sums[kChunk / 32];

@@ -25,6 +25,10 @@ struct FlashMaskSummaryArgs {
   int4* nb;
   int4* kbs;
   FlashMaskView layout;
+  // Fixed length: where to add the number of (row, column) pairs the mask keeps (zeroed by the
+  // caller; nullptr: not counted), the query rows and whether the causal rule applies.
+  unsigned long long* visible_pairs;
+  int seqlen_q;
 };
 
 // Queues kernel A on `stream`; allocates nothing. One CTA of 128 threads per (128-column chunk,

@@ -61,7 +61,7 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
   }
 
   auto kernel = &fwd_kernel<FwdMainloop<Traits, kLoopFor<Traits::kHeadDim>>, Mask, FwdEpilogue<Traits>,
-                            TileScheduler<Traits::kBlockM, Traits::kBlockN, kMasked>>;
+                            TileScheduler<Traits::kBlockM, Traits::kBlockN, kMasked, Mask::kIsFlashMask>>;
   constexpr int smem = Traits::kSmemBytes;
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // The grid the config chose: one CTA per SM (persistent; at most one per tile), all SMs for a

@@ -19,6 +19,7 @@ template <int kBlockM, int kBlockN, bool kHasWindow>
 struct CausalLocalMask : BlockMask<kBlockM, kBlockN, kHasWindow> {
   // The block visited after n is always n - 1 (the producer names V's block from it).
   static constexpr bool kVisitsEveryBlock = true;
+  static constexpr bool kIsFlashMask = false;  // the tile scheduler reads no p.fm
 
   __device__ __forceinline__ CausalLocalMask(const FwdParams& p, const SeqInfo& seq, int /*head*/, int /*batch*/)
       : BlockMask<kBlockM, kBlockN, kHasWindow>(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right) {}
@@ -42,6 +43,7 @@ template <int kBlockM, int kBlockN, bool kCacheClass = true>
 struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   using Base = BlockMask<kBlockM, kBlockN, true>;
   static constexpr bool kVisitsEveryBlock = false;
+  static constexpr bool kIsFlashMask = true;  // the tile scheduler may drop its sections (p.fm)
 
   const int4* nb;   // this tile's (mask head, batch row): normalized bounds of column 0
   const int4* kbs;  // its summary pair of key block 0 (of kBlockN columns)

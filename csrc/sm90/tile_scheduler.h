@@ -72,17 +72,28 @@ struct TileRing {
 // kMasked: a causal/local mask makes tiles uneven: longest first, claimed dynamically where the
 // launch set p.tile_counter. Else equal tiles: the static walk, with a stream-K tail where the
 // launch set one (p.sm90_dp_tiles < the number of tiles).
-template <int kBlockM, int kBlockN, bool kMasked>
+// kSparseSections (FlashMask): where kernel A's count of the pairs the mask keeps is below
+// p.fm.one_section_below, one section of every (head, batch) pair instead of the host's L2
+// sections (the count is on the GPU; the host cannot read it without a sync).
+template <int kBlockM, int kBlockN, bool kMasked, bool kSparseSections = false>
 struct TileScheduler {
   int num_m_blocks, heads, num_tiles;
   // The section sizes are read from the kernel parameters (constant bank) where they are used:
   // kept in registers, they made the 160-register 192-row d = 64 kernel spill.
   const FwdParams& p;
   bool dynamic = false;  // tiles claimed from a counter (and handed on through a TileRing)
+  // kSparseSections: kernel A's count is under p.fm.one_section_below. Read once per thread at
+  // the kernel's start, where the load's latency hides under the setup (per tile it sat in front
+  // of every tile's first GEMM).
+  bool one_section = false;
 
   __device__ __forceinline__ explicit TileScheduler(const FwdParams& params)
       : num_m_blocks((params.seqlen_q + kBlockM - 1) / kBlockM), heads(params.heads_q),
-        num_tiles(num_m_blocks * params.heads_q * params.batch), p(params) {}
+        num_tiles(num_m_blocks * params.heads_q * params.batch), p(params) {
+    if constexpr (kSparseSections) {
+      one_section = p.fm.visible_pairs != nullptr && (long long)__ldg(p.fm.visible_pairs) < p.fm.one_section_below;
+    }
+  }
   // Under a mask, claims tiles from `counter` (p.tile_counter, which the launch sets for a
   // persistent grid); else, or without one, the static walk.
   __device__ __forceinline__ void claim_from(const int* counter) { dynamic = kMasked && counter != nullptr; }
@@ -173,14 +184,21 @@ struct TileScheduler {
   __device__ __forceinline__ void tile(int t, int& m_block, int& head, int& batch) const {
     int hb;
     if (kMasked) {  // longest first, in sections
-      const int big_hb = p.sm90_section_big_hb, small_hb = p.sm90_section_hb;
-      const int big_tiles = p.sm90_section_big * big_hb * num_m_blocks;
+      const int big_hb = p.sm90_section_big_hb;
+      int small_hb = p.sm90_section_hb, big = p.sm90_section_big;
+      if constexpr (kSparseSections) {
+        if (one_section) {
+          small_hb = heads * p.batch;
+          big = 0;
+        }
+      }
+      const int big_tiles = big * big_hb * num_m_blocks;
       int first_hb, hb_count;
       if (t < big_tiles) {
         first_hb = t / (big_hb * num_m_blocks) * big_hb;
         hb_count = big_hb;
       } else {
-        first_hb = p.sm90_section_big * big_hb + (t - big_tiles) / (small_hb * num_m_blocks) * small_hb;
+        first_hb = big * big_hb + (t - big_tiles) / (small_hb * num_m_blocks) * small_hb;
         hb_count = small_hb;
       }
       const int r = t - first_hb * num_m_blocks;

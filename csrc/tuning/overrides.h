@@ -38,6 +38,10 @@ struct TuningOverrides {
   // FLASH_EXT_SM90_BWD_LPT = auto | 0 | 1: the Hopper backward's longest-first CTA order (-1
   // auto: causal fixed-length calls; 1 also without a mask).
   int sm90_bwd_lpt = -1;
+  // FLASH_EXT_SM90_FM_FWD_SECTIONS = auto | rule | one: the Hopper FlashMask forward's tile order
+  // under L2 sections; auto drops the sections on the GPU when the mask keeps few pairs (kernel
+  // A's count), rule keeps the host's sections, one always takes one section (-1 auto, 0, 1).
+  int sm90_fm_fwd_sections = -1;
 };
 
 // The overrides in force now (the environment's, as changed by set_tuning). Cheap: a few
