@@ -4,6 +4,7 @@ key-block summaries and classification the kernels use (flash_ext/_flashmask_blo
 
   PYTHONPATH=. python tools/fm_grid_model.py bwd [C0 [SECTION]]
   PYTHONPATH=. python tools/fm_grid_model.py fwd [C0]
+  PYTHONPATH=. python tools/fm_grid_model.py bound [C0]
 
 For each mask of the bench's mask section at d = 128 (16k tokens x 16 heads per call), the cost
 of every work item in steps (C0 fixed + visited blocks + 0.15 per partial block), then the
@@ -15,6 +16,11 @@ multiple of the bound total work / 132, for several orders:
 - fwd (tiles of 128 query rows claimed dynamically; 128-key blocks): the launch's order (query
   block descending in sections of units) for 1, 2 and 6 sections, and sorted by cost.
 It ignores memory: the sections exist to bound K/V (forward) or Q/dO (backward) traffic.
+
+bound: the causal document mask's useful entries per unit of forward work (C0 + visited blocks
++ 0.15 per partial block, 128 x 128 tiles) over the plain causal mask's: the most its TFLOP/s on
+unmasked entries can reach as a share of the causal kernel's, for the FlashMask walk and for
+varlen tiles that start at each document (issue 27's 0.9x target).
 """
 import heapq
 import sys
@@ -71,8 +77,34 @@ def makespan(costs):
     return max(sm)
 
 
+def varlen_fwd_cost(lens, c0, block_m=128, block_n=128):
+    """Forward work of varlen tiles over documents of `lens` (tiles start at each document)."""
+    total = 0.0
+    for length in lens:
+        for m in range(-(-length // block_m)):
+            r0, r1 = m * block_m, min(length, (m + 1) * block_m)
+            blocks = -(-r1 // block_n)  # key blocks from the document's start to the tile's end
+            total += c0 + blocks + EXTRA * (blocks - r0 // block_n)  # those right of r0 are partial
+    return total
+
+
+def doc_bound(c0):
+    for s in (8192, 16384, 32768):
+        lens = BM.doc_lengths(s)
+        useful_doc = sum(n * (n + 1) / 2 for n in lens)
+        useful_causal = s * (s + 1) / 2
+        per_causal = useful_causal / sum(fwd_costs("causal", s, c0))
+        fm = useful_doc / sum(fwd_costs("causal_doc", s, c0)) / per_causal
+        varlen = useful_doc / varlen_fwd_cost(lens, c0) / per_causal
+        print(f"causal_doc {s:6d} ({len(lens)} documents, C0 {c0}): FlashMask walk {fm:.3f}, varlen {varlen:.3f} "
+              f"of the causal kernel's TFLOP/s at equal time per block", flush=True)
+
+
 def main():
     direction = sys.argv[1] if len(sys.argv) > 1 else "bwd"
+    if direction == "bound":
+        doc_bound(float(sys.argv[2]) if len(sys.argv) > 2 else 1.0)
+        return
     c0 = float(sys.argv[2]) if len(sys.argv) > 2 else (6.0 if direction == "bwd" else 1.0)
     section = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     for name in MASKS:
