@@ -344,12 +344,21 @@ def test_kept_pairs_count(causal, c, sq, sk):
         pytest.skip("this build has no flash_ext::flashmask_kept_pairs op")
     sri = random_bounds(2, 2, sq, sk, causal, c)
     vis = flashmask_visible(sri, sq, causal)  # (b, hm, sq, sk)
-    pairs, sum_sq, _ = op(sri, sq, sk, causal)
+    pairs, sum_sq, flag = op(sri, sq, sk, causal)
     assert int(pairs.item()) == int(vis.sum())
     cols = vis.sum(2).double()  # (b, hm, sk): kept rows per column
     pad = (-sk) % 128
     chunks = torch.nn.functional.pad(cols, (0, pad)).reshape(*cols.shape[:2], -1, 128).sum(-1)
-    torch.testing.assert_close(sum_sq.item(), float((chunks ** 2).sum()), rtol=1e-12, atol=0)
+    want_sq = float((chunks ** 2).sum())
+    torch.testing.assert_close(sum_sq.item(), want_sq, rtol=1e-12, atol=0)
+    # The backward's order flag that kernel A's last CTA wrote, against the rule on the host
+    # (api/flashmask.cpp): under 80% of causal's pairs (bottom-right aligned) and a CV over 0.4.
+    # (The causal count is the geometry's, whatever the bounds' causal flag.)
+    causal_unit = sum(sq - min(max(j - (sk - sq), 0), sq) for j in range(sk))
+    below = int(0.8 * causal_unit * 2 * 2)  # x mask heads x batch rows
+    p = int(vis.sum())
+    longest_first = p < below and chunks.numel() / (1 + 0.4 ** 2) * want_sq > float(p) ** 2
+    assert bool(flag.item()) == longest_first, (p, below, want_sq)
 
 
 @pytest.mark.parametrize("name,longest_first", [("causal_doc", True), ("shared_question", True),

@@ -110,11 +110,11 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
     const double sq = double(seqlen_q), sk = double(seqlen_k), shift = sk - sq;
     const double j0 = std::clamp(shift, 0.0, sk), j1 = std::clamp(shift + sq, 0.0, sk), n = j1 - j0;
     const double t0 = j0 - shift, t1 = j1 - 1 - shift;  // j - shift over the diagonal's columns
-    const double causal_pairs = (j0 * sq + (n > 0 ? n * sq - (t0 + t1) * n / 2 : 0.0)) * double(hm) * double(batch);
+    const double causal_unit = j0 * sq + (n > 0 ? n * sq - (t0 + t1) * n / 2 : 0.0);  // per (mask head, batch row)
     if (count_for == FmCountFor::kFwdSections) {
       // One section below 40% of causal's pairs: the causal document and sliding window masks of
       // the bench keep 23-26% of causal's pairs, shared question 53%, prefix LM 106%.
-      v.one_section_below = (long long)(0.4 * causal_pairs);
+      v.one_section_below = (long long)(0.4 * causal_unit * double(hm) * double(batch));
     } else {
       // Longest first in one section below 80% of causal's pairs where the 128-column chunks'
       // counts vary by a coefficient of variation over 0.4 (n * sum of squares / sum^2 > 1.16):
@@ -124,7 +124,7 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
       a.visible_sq = reinterpret_cast<double*>(counters + 2);
       a.ctas_done = reinterpret_cast<unsigned*>(counters + 4);
       a.bwd_longest_first = counters + 5;
-      a.lpt_below = (long long)(0.8 * causal_pairs);
+      a.lpt_below = (long long)(0.8 * causal_unit * double(hm) * double(batch));
       a.lpt_imbalance = double(hm) * double(batch) * std::ceil(sk / double(kFmChunk)) / (1.0 + 0.4 * 0.4);
       v.bwd_longest_first = a.bwd_longest_first;
       if (sum_sq_out != nullptr) *sum_sq_out = a.visible_sq;
