@@ -115,7 +115,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   FlashMaskSummary fm;  // alive until the launch is queued
   if (startend_row_indices.has_value() && q.numel() > 0 && k.numel() > 0 && s.batch > 0) {
     const int block_n = sm90 ? sm90_bwd_block_n(kernel.kernel_head_dim) : choose_bwd_sm80_tile(kd, dev, overrides).block_n;
-    fm = set_flashmask_params(p, *startend_row_indices, s, cu_seqlens_k, causal, block_n, stream);
+    // The Hopper backward's CTA order may be left to kernel A's counts (choose_sm90_bwd_lpt_section).
+    const bool order_by_count = sm90 && choose_sm90_bwd_fm_order_by_count(p, kernel.kernel_head_dim, overrides);
+    fm = set_flashmask_params(p, *startend_row_indices, s, cu_seqlens_k, causal, block_n, stream,
+                              order_by_count ? FmCountFor::kBwdOrder : FmCountFor::kNothing);
   }
 
   at::Tensor dq_sm90, dq_accum;

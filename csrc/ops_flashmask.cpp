@@ -47,9 +47,11 @@ std::tuple<at::Tensor, at::Tensor> flashmask_summary(const at::Tensor& startend_
 }
 
 // Kernel A's count of the (row, column) pairs fixed-length bounds keep, summed over mask heads
-// and batch rows (what the Hopper forward's tile order compares with p.fm.one_section_below):
-// an int64 (1,) tensor.
-at::Tensor flashmask_kept_pairs(const at::Tensor& startend_row_indices, int64_t seqlen_q, int64_t seqlen_k,
+// and batch rows (what the Hopper forward's tile order compares with p.fm.one_section_below), as
+// an int64 (1,) tensor, and the sum over (128-column chunk, mask head, batch row) of the chunk's
+// count squared, a float64 (1,) tensor, and the Hopper backward's CTA order that kernel A's last
+// CTA chose from them (1: longest first in one section, 0: the 3-D grid's), an int32 (1,) tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flashmask_kept_pairs(const at::Tensor& startend_row_indices, int64_t seqlen_q, int64_t seqlen_k,
                                 bool causal) {
   const at::Tensor& b = startend_row_indices;
   check_flashmask_bounds(b, false, causal);
@@ -57,13 +59,19 @@ at::Tensor flashmask_kept_pairs(const at::Tensor& startend_row_indices, int64_t 
                   "flash_ext: seqlen_q must be in [0, 2^26) and startend_row_indices must have seqlen_k columns");
   const c10::cuda::CUDAGuard guard(b.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(b.get_device()).stream();
+  const double* sum_sq_at = nullptr;
   const FlashMaskSummary s = make_flashmask_summary(b, std::nullopt, seqlen_q, seqlen_k, causal, /*block_n=*/128,
-                                                    /*group=*/1, stream, /*count_visible=*/true);
+                                                    /*group=*/1, stream, FmCountFor::kBwdOrder, &sum_sq_at);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor out = at::empty({1}, b.options().dtype(at::kLong));
+  at::Tensor sum_sq = at::empty({1}, b.options().dtype(at::kDouble));
+  at::Tensor longest_first = at::empty({1}, b.options().dtype(at::kInt));
   C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), s.view.visible_pairs, sizeof(unsigned long long),
                                  cudaMemcpyDeviceToDevice, stream));
-  return out;
+  C10_CUDA_CHECK(cudaMemcpyAsync(sum_sq.data_ptr(), sum_sq_at, sizeof(double), cudaMemcpyDeviceToDevice, stream));
+  C10_CUDA_CHECK(cudaMemcpyAsync(longest_first.data_ptr(), s.view.bwd_longest_first, sizeof(int),
+                                 cudaMemcpyDeviceToDevice, stream));
+  return {out, sum_sq, longest_first};
 }
 
 }  // namespace
@@ -73,7 +81,9 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
   m.def(
       "flashmask_summary(Tensor startend_row_indices, int seqlen_q, int seqlen_k, Tensor? cu_seqlens_k, "
       "bool causal, int block_n) -> (Tensor nb, Tensor kbs)");
-  m.def("flashmask_kept_pairs(Tensor startend_row_indices, int seqlen_q, int seqlen_k, bool causal) -> Tensor");
+  m.def(
+      "flashmask_kept_pairs(Tensor startend_row_indices, int seqlen_q, int seqlen_k, bool causal) -> (Tensor pairs, "
+      "Tensor sum_sq, Tensor longest_first)");
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {

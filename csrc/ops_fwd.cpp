@@ -79,7 +79,7 @@ void launch(FwdParams& p, const at::Tensor& q, const FlashMaskInput& fm_in) {
     const bool sections = kernel.path == KernelPath::kSm90 && config.section_hb < p.heads_q * p.batch &&
                           p.seqlen_q < (1 << 26) && overrides.sm90_fm_fwd_sections != 0;
     fm = set_flashmask_params(p, *fm_in.bounds, *fm_in.shape, *fm_in.cu_seqlens_k, fm_in.causal, block_n, stream,
-                              sections);
+                              sections ? FmCountFor::kFwdSections : FmCountFor::kNothing);
     if (overrides.sm90_fm_fwd_sections == 1 && p.fm.visible_pairs != nullptr) {
       p.fm.one_section_below = std::numeric_limits<long long>::max();  // A/B: one section always
     }

@@ -44,7 +44,7 @@ SCHEMAS = (
     ("flashmask_summary(Tensor startend_row_indices, int seqlen_q, int seqlen_k, "
      "Tensor? cu_seqlens_k, bool causal, int block_n) -> (Tensor nb, Tensor kbs)", ()),
     ("flashmask_kept_pairs(Tensor startend_row_indices, int seqlen_q, int seqlen_k, "
-     "bool causal) -> Tensor", ()),
+     "bool causal) -> (Tensor pairs, Tensor sum_sq, Tensor longest_first)", ()),
     ("dropout_rng_state(Tensor q) -> Tensor", (torch.Tag.nondeterministic_seeded,)),
     ("dropout_mask(Tensor q, Tensor rng_state, int batch, int heads, int seqlen_q, "
      "int seqlen_k, float dropout_p) -> Tensor", ()),

@@ -279,6 +279,28 @@ def test_varlen(dtype, causal, c, deterministic, d):
         label=f"varlen C={c} det={deterministic} d={d}")
 
 
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa_loop"])
+@pytest.mark.parametrize("name", ["causal_doc", "shared_question", "sliding_window", "prefix_lm"])
+def test_order_by_count(name, heads, bwd_config, tuning):
+    """Fixed-length FlashMask calls (d <= 128, auto) launch one 1-D grid whose CTAs run longest
+    first or in the 3-D grid's order as kernel A's counts decide on the GPU (at 2048: prefix LM
+    the grid's order, the other three longest first; test_bwd_order_rule_on_bench_masks checks
+    the rule at 8k): both must cover every key block once, also where the GQA group loop makes
+    the units KV heads."""
+    if bwd_config not in ("sm90", "auto"):
+        pytest.skip("the CTA order is the Hopper backward's")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward needs an sm90 GPU")
+    from flash_ext import bench_mask as BM
+    hq, hkv = heads
+    if hq != hkv:
+        tuning.set("FLASH_EXT_SM90_BWD_GQA", "loop")
+    s, b = 2048, 2
+    sri, causal, _ = BM.build_mask(name, s, device="cuda")
+    bl = [sri[0].expand(1, s, sri.shape[-1]).contiguous() for _ in range(b)]
+    run([(s, s)] * b, hq, hkv, 1, 128, torch.bfloat16, bl, causal, label=f"order by count {name} {hq}/{hkv}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic(dtype, d):

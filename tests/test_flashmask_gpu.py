@@ -343,8 +343,45 @@ def test_kept_pairs_count(causal, c, sq, sk):
     if op is None:
         pytest.skip("this build has no flash_ext::flashmask_kept_pairs op")
     sri = random_bounds(2, 2, sq, sk, causal, c)
-    want = int(flashmask_visible(sri, sq, causal).sum())
-    assert int(op(sri, sq, sk, causal).item()) == want
+    vis = flashmask_visible(sri, sq, causal)  # (b, hm, sq, sk)
+    pairs, sum_sq, flag = op(sri, sq, sk, causal)
+    assert int(pairs.item()) == int(vis.sum())
+    cols = vis.sum(2).double()  # (b, hm, sk): kept rows per column
+    pad = (-sk) % 128
+    chunks = torch.nn.functional.pad(cols, (0, pad)).reshape(*cols.shape[:2], -1, 128).sum(-1)
+    want_sq = float((chunks ** 2).sum())
+    torch.testing.assert_close(sum_sq.item(), want_sq, rtol=1e-12, atol=0)
+    # The backward's order flag that kernel A's last CTA wrote, against the rule on the host
+    # (api/flashmask.cpp): under 80% of causal's pairs (bottom-right aligned) and a CV over 0.4.
+    # (The causal count is the geometry's, whatever the bounds' causal flag.)
+    causal_unit = sum(sq - min(max(j - (sk - sq), 0), sq) for j in range(sk))
+    below = int(0.8 * causal_unit * 2 * 2)  # x mask heads x batch rows
+    p = int(vis.sum())
+    longest_first = p < below and chunks.numel() / (1 + 0.4 ** 2) * want_sq > float(p) ** 2
+    assert bool(flag.item()) == longest_first, (p, below, want_sq)
+
+
+@pytest.mark.parametrize("name,longest_first", [("causal_doc", True), ("shared_question", True),
+                                                ("prefix_lm", False), ("sliding_window", False)])
+def test_bwd_order_rule_on_bench_masks(name, longest_first):
+    """The Hopper backward's CTA order as kernel A's last CTA chooses it (api/flashmask.cpp, the
+    testing op returns the flag it wrote) for the bench's 8k masks: longest first in one section
+    below 80% of causal's pairs where the 128-column chunks' counts vary (coefficient of variation
+    > 0.4), the 3-D grid's order else: causal document and shared question take it; prefix LM
+    (denser than causal) and the sliding window (even chunks) do not (the H100 A/B behind it:
+    docs/perf-notes.md)."""
+    op = getattr(torch.ops.flash_ext, "flashmask_kept_pairs", None)
+    if op is None:
+        pytest.skip("this build has no flash_ext::flashmask_kept_pairs op")
+    from flash_ext import bench_mask as BM
+    s, b = 8192, 2
+    sri, causal, _ = BM.build_mask(name, s, device="cuda")
+    sri = sri.expand(b, -1, -1, -1).contiguous()
+    pairs, sum_sq, chosen = (t.item() for t in op(sri, s, s, causal))
+    causal_pairs = s * (s + 1) / 2 * b * sri.shape[1]
+    chunks = b * sri.shape[1] * (s // 128)
+    stats = (name, pairs / causal_pairs, (chunks * sum_sq / pairs ** 2 - 1) ** 0.5)  # density, CV
+    assert bool(chosen) == longest_first, stats
 
 
 def _summary_op():

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <algorithm>
+#include <cmath>
 #include <c10/cuda/CUDAException.h>
 
 #include "api/errors.h"
@@ -64,7 +65,7 @@ void check_flashmask_inputs(const at::Tensor& bounds, const at::Tensor& q, const
 
 FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::optional<at::Tensor>& cu_seqlens_k,
                                         int64_t seqlen_q, int64_t seqlen_k, bool causal, int block_n, int group,
-                                        cudaStream_t stream, bool count_visible) {
+                                        cudaStream_t stream, FmCountFor count_for, const double** sum_sq_out) {
   FLASH_EXT_CHECK(block_n == 32 || block_n == 64 || block_n == 128,
                   "flash_ext: FlashMask summaries are made for key blocks of 32, 64 or 128 columns; got ", block_n);
   const bool varlen = cu_seqlens_k.has_value();
@@ -85,11 +86,12 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
   FLASH_EXT_CHECK(hm * cols < (int64_t(1) << 31) && 2 * hm * blocks < (int64_t(1) << 31),
                   "flash_ext: startend_row_indices: too many columns for FlashMask's int32 indices");
 
-  // One allocation: nb (4 int32 per column), then kbs (8 per block), then (count_visible, fixed
-  // length) the visible-pair counter (2 int32); all 16-byte aligned.
-  count_visible = count_visible && !varlen;
+  // One allocation: nb (4 int32 per column), then kbs (8 per block), then (counting, fixed length)
+  // the counters: kept pairs (u64), their sum of squares (f64), CTAs done (u32), the backward's
+  // order (i32); all 16-byte aligned.
+  const bool count_visible = count_for != FmCountFor::kNothing && !varlen;
   const int64_t nb_ints = hm * cols * 4, kbs_ints = hm * blocks * 8;
-  const at::Tensor buf = at::empty({nb_ints + kbs_ints + (count_visible ? 2 : 0)}, bounds.options().dtype(at::kInt));
+  const at::Tensor buf = at::empty({nb_ints + kbs_ints + (count_visible ? 8 : 0)}, bounds.options().dtype(at::kInt));
   FlashMaskSummary out;
   out.nb = buf.narrow(0, 0, nb_ints).view({hm, cols, 4});
   out.kbs = buf.narrow(0, nb_ints, kbs_ints).view({hm, blocks, 2, 4});
@@ -97,15 +99,39 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
   int4* kbs = reinterpret_cast<int4*>(out.kbs.data_ptr<int>());
   v.nb = nb;
   v.kbs = kbs;
-  unsigned long long* visible = nullptr;
+  FlashMaskSummaryArgs a{};
   if (count_visible) {
-    visible = reinterpret_cast<unsigned long long*>(buf.data_ptr<int>() + nb_ints + kbs_ints);
-    C10_CUDA_CHECK(cudaMemsetAsync(visible, 0, sizeof(unsigned long long), stream));
+    int* counters = buf.data_ptr<int>() + nb_ints + kbs_ints;
+    C10_CUDA_CHECK(cudaMemsetAsync(counters, 0, 8 * sizeof(int), stream));  // 0.0 is all zero bits
+    a.visible_pairs = reinterpret_cast<unsigned long long*>(counters);
+    v.visible_pairs = a.visible_pairs;
+    // The pairs the plain causal rule keeps (bottom-right aligned), over mask heads and batch rows:
+    // column j keeps sq - clamp(j - shift, 0, sq) rows, sq for j < shift, then one fewer per column.
+    const double sq = double(seqlen_q), sk = double(seqlen_k), shift = sk - sq;
+    const double j0 = std::clamp(shift, 0.0, sk), j1 = std::clamp(shift + sq, 0.0, sk), n = j1 - j0;
+    const double t0 = j0 - shift, t1 = j1 - 1 - shift;  // j - shift over the diagonal's columns
+    const double causal_unit = j0 * sq + (n > 0 ? n * sq - (t0 + t1) * n / 2 : 0.0);  // per (mask head, batch row)
+    if (count_for == FmCountFor::kFwdSections) {
+      // One section below 40% of causal's pairs: the causal document and sliding window masks of
+      // the bench keep 23-26% of causal's pairs, shared question 53%, prefix LM 106%.
+      v.one_section_below = (long long)(0.4 * causal_unit * double(hm) * double(batch));
+    } else {
+      // Longest first in one section below 80% of causal's pairs where the 128-column chunks'
+      // counts vary by a coefficient of variation over 0.4 (n * sum of squares / sum^2 > 1.16):
+      // the bench's causal document (0.26 of causal's pairs, CV 0.60) and shared question (0.53,
+      // 1.34) gained 3-5% there on an H100 at 8k-16k; prefix LM (1.06) lost 5% and the sliding
+      // window (0.23, CV 0.10-0.21: even walks) 1.5%, so they keep the 3-D grid's order.
+      a.visible_sq = reinterpret_cast<double*>(counters + 2);
+      a.ctas_done = reinterpret_cast<unsigned*>(counters + 4);
+      a.bwd_longest_first = counters + 5;
+      a.lpt_below = (long long)(0.8 * causal_unit * double(hm) * double(batch));
+      a.lpt_imbalance = double(hm) * double(batch) * std::ceil(sk / double(kFmChunk)) / (1.0 + 0.4 * 0.4);
+      v.bwd_longest_first = a.bwd_longest_first;
+      if (sum_sq_out != nullptr) *sum_sq_out = a.visible_sq;
+    }
   }
-  v.visible_pairs = visible;
   out.view = v;
 
-  FlashMaskSummaryArgs a{};
   a.bounds = bounds.data_ptr<int>();
   a.batch_stride = varlen ? 0 : bounds.stride(0);
   a.head_stride = bounds.stride(-3);
@@ -119,7 +145,6 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
   a.nb = nb;
   a.kbs = kbs;
   a.layout = v;
-  a.visible_pairs = visible;
   a.seqlen_q = int(seqlen_q);
   launch_flashmask_summary(a, stream);
   return out;
@@ -127,23 +152,10 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
 
 FlashMaskSummary set_flashmask_params(FwdParams& p, const at::Tensor& bounds, const AttnShape& s,
                                       const std::optional<at::Tensor>& cu_seqlens_k, bool causal, int block_n,
-                                      cudaStream_t stream, bool sections_by_density) {
+                                      cudaStream_t stream, FmCountFor count_for) {
   const int hm = int(bounds.size(-3));
   FlashMaskSummary fm = make_flashmask_summary(bounds, s.varlen ? cu_seqlens_k : std::nullopt, s.seqlen_q,
-                                               s.seqlen_k, causal, block_n, s.heads_q / hm, stream,
-                                               sections_by_density && !s.varlen);
-  if (fm.view.visible_pairs != nullptr) {
-    // One section below 40% of the pairs the plain causal rule keeps (per mask head and batch
-    // row): the causal document and sliding window masks of the bench keep 26-30% of causal's
-    // blocks, shared question 54%, prefix LM 106% (tools/fm_grid_model.py).
-    // Column j keeps sq - clamp(j - shift, 0, sq) rows under causal (bottom-right aligned): sq
-    // for j < shift, then one fewer per column until none.
-    const double sq = double(s.seqlen_q), sk = double(s.seqlen_k), shift = sk - sq;
-    const double j0 = std::clamp(shift, 0.0, sk), j1 = std::clamp(shift + sq, 0.0, sk), n = j1 - j0;
-    const double t0 = j0 - shift, t1 = j1 - 1 - shift;  // j - shift over the diagonal's columns
-    const double causal_pairs = j0 * sq + (n > 0 ? n * sq - (t0 + t1) * n / 2 : 0.0);
-    fm.view.one_section_below = (long long)(0.4 * causal_pairs * double(hm) * double(s.batch));
-  }
+                                               s.seqlen_k, causal, block_n, s.heads_q / hm, stream, count_for);
   p.has_flashmask = true;
   p.fm = fm.view;
   p.has_window = true;  // the windowed kernel variants run FlashMask (window (-1, -1) or causal)

@@ -34,19 +34,23 @@ struct FlashMaskSummary {
 // Allocates (caching allocator) and queues kernel A on `stream`. seqlen_q: the query rows (varlen:
 // the longest sequence's), from which R = round_up(seqlen_q, 128); seqlen_k: the columns per batch
 // row (varlen: the longest sequence's; the grid covers that many). group: query heads per mask head.
-// count_visible (fixed length): kernel A also counts the (row, column) pairs the mask keeps into
-// view.visible_pairs.
+// count_for (fixed length; ignored for varlen): kernel A also counts the (row, column) pairs the
+// mask keeps into view.visible_pairs, for the Hopper forward under L2 sections
+// (view.one_section_below: under which count its tile order drops the sections) or the Hopper
+// backward's CTA order (view.bwd_longest_first, decided by kernel A's last CTA; its sum of
+// squares: *sum_sq_out, for the testing op, when given).
+enum class FmCountFor { kNothing, kFwdSections, kBwdOrder };
 FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::optional<at::Tensor>& cu_seqlens_k,
                                         int64_t seqlen_q, int64_t seqlen_k, bool causal, int block_n, int group,
-                                        cudaStream_t stream, bool count_visible = false);
+                                        cudaStream_t stream, FmCountFor count_for = FmCountFor::kNothing,
+                                        const double** sum_sq_out = nullptr);
 
 // Checks and summarizes the bounds of an attention call for a kernel of key-block size block_n
 // and points p at the result (p.has_flashmask, p.fm; the windowed kernel variant: has_window).
 // The returned summary owns the buffers: keep it until the launches that read them are queued.
-// sections_by_density (the Hopper forward under L2 sections, fixed length): kernel A counts the
-// kept pairs and p.fm.one_section_below says under which count the tile order drops the sections.
+// count_for: as make_flashmask_summary's.
 FlashMaskSummary set_flashmask_params(FwdParams& p, const at::Tensor& bounds, const AttnShape& s,
                                       const std::optional<at::Tensor>& cu_seqlens_k, bool causal, int block_n,
-                                      cudaStream_t stream, bool sections_by_density = false);
+                                      cudaStream_t stream, FmCountFor count_for = FmCountFor::kNothing);
 
 }  // namespace flash_ext

@@ -50,6 +50,10 @@ struct FlashMaskView {
   // forward's sections").
   const unsigned long long* visible_pairs;
   long long one_section_below;
+  // Fixed-length Hopper backward only (else nullptr): 1 where its CTAs run longest first in one
+  // section, 0 where they keep the 3-D grid's order, as kernel A's last CTA decided from its
+  // counts (flashmask/flashmask_summary.h; read by sm90/bwd_tile_order.h).
+  const int* bwd_longest_first;
 };
 
 enum FmBlockClass : int { kFmSkip = 0, kFmFull = 1, kFmPartial = 2 };

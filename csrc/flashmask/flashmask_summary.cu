@@ -93,6 +93,17 @@ __global__ void __launch_bounds__(kChunk) flashmask_summary_kernel(const __grid_
       unsigned long long sum = 0;
       for (int w = 0; w < kChunk / 32; ++w) sum += warp_kept[w];
       atomicAdd(a.visible_pairs, sum);
+      if (a.bwd_longest_first != nullptr) {
+        atomicAdd(a.visible_sq, double(sum) * double(sum));
+        __threadfence();  // this CTA's adds before its arrival
+        if (atomicAdd(a.ctas_done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
+          __threadfence();
+          const unsigned long long pairs = atomicAdd(a.visible_pairs, 0ull);  // every CTA's adds
+          const double sq = atomicAdd(a.visible_sq, 0.0);
+          *a.bwd_longest_first =
+              (long long)pairs < a.lpt_below && a.lpt_imbalance * sq > double(pairs) * double(pairs) ? 1 : 0;
+        }
+      }
     }
   }
 

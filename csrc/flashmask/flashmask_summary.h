@@ -29,6 +29,15 @@ struct FlashMaskSummaryArgs {
   // caller; nullptr: not counted), the query rows and whether the causal rule applies.
   unsigned long long* visible_pairs;
   int seqlen_q;
+  // With visible_pairs, for the Hopper backward's CTA order (else nullptr): each CTA also adds
+  // its count squared into visible_sq and counts itself in ctas_done (both zeroed by the caller);
+  // the last CTA writes *bwd_longest_first = 1 where pairs < lpt_below and the 128-column
+  // chunks' counts vary (lpt_imbalance * sum of squares > pairs^2), else 0.
+  double* visible_sq;
+  unsigned* ctas_done;
+  int* bwd_longest_first;
+  long long lpt_below;
+  double lpt_imbalance;
 };
 
 // Queues kernel A on `stream`; allocates nothing. One CTA of 128 threads per (128-column chunk,

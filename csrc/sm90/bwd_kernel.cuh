@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   if constexpr (kVarlen) {
     n_block = blockIdx.x, head_y = blockIdx.y, batch = blockIdx.z;
   } else {
-    bwd_tile_of_cta(p, (p.seqlen_k + kBlockN - 1) / kBlockN, kGroupLoop ? p.heads_kv : p.heads_q, n_block, head_y, batch);
+    bwd_tile_of_cta<kFlashMask>(p, (p.seqlen_k + kBlockN - 1) / kBlockN, kGroupLoop ? p.heads_kv : p.heads_q, n_block, head_y, batch);
   }
   // Query heads [head0, head0 + group) in turn; one (head0 = blockIdx.y) without kGroupLoop.
   const int group = kGroupLoop ? p.heads_q / p.heads_kv : 1;

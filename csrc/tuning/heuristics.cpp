@@ -239,9 +239,17 @@ bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kd, const DeviceInfo& dev,
   return loop <= expand;
 }
 
+bool choose_sm90_bwd_fm_order_by_count(const FwdParams& p, int kd, const TuningOverrides& o) {
+  return p.has_flashmask && p.cu_seqlens_q == nullptr && o.sm90_bwd_lpt < 0 && kd <= 128 && p.seqlen_k <= 16384 &&
+         p.seqlen_q < (1 << 26);
+}
+
 int choose_sm90_bwd_lpt_section(const FwdParams& p, int kd, bool group_loop, const DeviceInfo& dev,
                                 const TuningOverrides& o) {
   if (p.cu_seqlens_q != nullptr || o.sm90_bwd_lpt == 0) return 0;
+  if (choose_sm90_bwd_fm_order_by_count(p, kd, o)) {
+    return int(std::max<int64_t>(int64_t(group_loop ? p.heads_kv : p.heads_q) * p.batch, 1));
+  }
   const bool causal = p.has_window && p.window_right == 0 && p.window_left < 0 && !p.has_flashmask;
   // d = 256 (64 x 64 tiles, twice the key blocks) measured 1.9% slower in this order on an H200
   // (4 x 2048, 8 heads, causal), d = 64 and 128 7-13% faster at 2k: auto keeps d = 256 on the 3-D grid.

@@ -120,9 +120,18 @@ bool choose_sm90_bwd_gqa_loop(const FwdParams& p, int kernel_head_dim, const Dev
 // where key blocks differ in length (a causal mask: block 0 has the most query blocks), in
 // sections whose Q, dO, lse, D and dq_accum fill at most 40% of L2; head dims <= 128 (d = 256
 // lost 1.9% in this order).
-// FLASH_EXT_SM90_BWD_LPT = 0 | 1 forces it off or on (on: also without a causal mask).
+// FlashMask calls that choose_sm90_bwd_fm_order_by_count takes: one section of every unit, and
+// the kernel falls back to the 3-D grid's order where kernel A's counts say so.
+// FLASH_EXT_SM90_BWD_LPT = 0 | 1 forces it off or on (on: also without a causal mask; FlashMask in
+// L2 sections, whatever the counts).
 int choose_sm90_bwd_lpt_section(const FwdParams& p, int kernel_head_dim, bool group_loop, const DeviceInfo& dev,
                                 const TuningOverrides& o);
+
+// Whether a fixed-length FlashMask backward's CTA order is left to kernel A's counts on the GPU
+// (longest first in one section, or the 3-D grid's order: sm90/bwd_tile_order.h): auto, head
+// dims <= 128, up to 16k keys (at 32k one section lost 1% where it won 3-5% at 8k-16k: the
+// tail is shorter there and the L2 holds less of the units in flight).
+bool choose_sm90_bwd_fm_order_by_count(const FwdParams& p, int kernel_head_dim, const TuningOverrides& o);
 
 // Flash-Decoding's launch (docs/design-flash-decoding.md 2.1): how many splits of the keys, and
 // the ring's depth (decode/decode_params.h).
