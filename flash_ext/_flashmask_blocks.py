@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 __all__ = ["SKIP", "FULL", "PARTIAL", "empty_row", "normalize", "summaries", "classify",
-           "used_slots", "interval_mask"]
+           "query_runs", "runs_class", "used_slots", "interval_mask"]
 
 SKIP, FULL, PARTIAL = 0, 1, 2  # kFmSkip, kFmFull, kFmPartial
 _PAD = 128
@@ -174,6 +174,39 @@ def classify(skip, full, r0: int, r1: int) -> torch.Tensor:
     out = torch.full(s.shape[:-1], PARTIAL, dtype=torch.int64, device=s.device)
     out = torch.where(lt_clear & ut_clear, torch.full_like(out, FULL), out)
     return torch.where(lt_covers | ut_covers | both_cover, torch.full_like(out, SKIP), out)
+
+
+def query_runs(skip, full, block_m: int, seqlen_q: int):
+    """FlashMaskQueryRuns::build of sm90/bwd_flashmask.h: one key block's summary pair (two
+    sequences of 4 ints >= 0) as ((start, length) of the two skipped runs, (start, length) of the
+    two runs that need the per-score test), in query blocks of block_m rows."""
+    s = [int(x) for x in skip]
+    f = [int(x) for x in full]
+    n_blocks = -(-seqlen_q // block_m)
+
+    def first_at(x):
+        return -(-x // block_m)
+
+    def end_below(e):
+        return n_blocks if seqlen_q <= e else e // block_m
+
+    skip0 = first_at(s[0])
+    skip1 = first_at(s[2])
+    end1 = max(end_below(s[3]), end_below(s[1])) if s[0] <= s[3] else end_below(s[3])
+    part0, part1 = f[0] // block_m, f[2] // block_m
+    len0 = max(first_at(f[1]) - part0, 0) if seqlen_q > f[0] else 0
+    len1 = max(first_at(f[3]) - part1, 0) if seqlen_q > f[2] else 0
+    return ((skip0, max(end_below(s[1]) - skip0, 0)), (skip1, max(end1 - skip1, 0))), \
+        ((part0, len0), (part1, len1))
+
+
+def runs_class(runs, m: int) -> int:
+    """Query block m's class from :func:`query_runs`' runs (what the Hopper backward's loop reads
+    from next_visible and partial)."""
+    skips, parts = runs
+    if any(a <= m < a + n for a, n in skips):
+        return SKIP
+    return PARTIAL if any(a <= m < a + n for a, n in parts) else FULL
 
 
 def interval_mask(nb: torch.Tensor, rows: int) -> torch.Tensor:

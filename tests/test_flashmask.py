@@ -308,6 +308,31 @@ def test_block_tests_sound(causal, c, bm, bn, seed):
                         assert none_masked, (m, n)
 
 
+@pytest.mark.parametrize("bm", [64, 128])
+def test_query_runs_match_classify(bm, seed):
+    """The Hopper backward's runs (FlashMaskQueryRuns) give fm_classify's class for every query
+    block: on the summaries of random masks and on random summaries (any order of the values)."""
+    gen = torch.Generator().manual_seed(bm)
+    pairs = []
+    for causal, c in CASES:
+        for sq, sk in ((200, 200), (130, 300), (300, 70), (64, 256), (1000, 128)):
+            for snap in (1, 32, 64):
+                sri = (random_bounds(1, 1, sq, sk, causal, c, gen) // snap * snap).to(torch.int32)
+                kbs = B.summaries(B.normalize(sri, sq, sk, causal), sk, 128, batch=1, seqlen_q=sq)
+                pairs += [(kbs[0, n, 0], kbs[0, n, 1], sq) for n in range(kbs.shape[1])]
+    for i in range(3000):
+        sq = int(torch.randint(1, 700, (1,), generator=gen))
+        skip = torch.randint(0, sq + 200, (4,), generator=gen)
+        if i % 2:  # UT's end touching LT's start (both_cover's edge)
+            skip[3] = skip[0]
+        pairs.append((skip, torch.randint(0, sq + 200, (4,), generator=gen), sq))
+    for skip, full, sq in pairs:
+        runs = B.query_runs(skip, full, bm, sq)
+        for m in range(-(-sq // bm)):
+            want = int(B.classify(skip, full, m * bm, min(m * bm + bm, sq)))
+            assert B.runs_class(runs, m) == want, (skip.tolist(), full.tolist(), sq, m)
+
+
 def test_interval_mask_is_the_dense_mask(seed):
     for causal, c in CASES:
         sri = random_bounds(2, 1, 150, 190, causal, c)

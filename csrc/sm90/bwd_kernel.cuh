@@ -269,18 +269,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     }
     return m_block;
   };
-  // kFlashMask: the next visible block and its class are found while the step's first GEMMs run
-  // (fm_next, fm_partial_next), so that no shared load and compare chain stands between the S
-  // GEMM and the exponentials, or at the step's end (docs/perf-notes.md, "the class found one
+  // kFlashMask: the next visible block and its class are found from the CTA's runs while the
+  // step's first GEMMs run (fm_next, fm_partial_next), so that no compare chain stands between the
+  // S GEMM and the exponentials, or at the step's end (docs/perf-notes.md, "the class found one
   // step ahead"). The group loop's turn to the next head stays at the step's end.
   int fm_next = 0;
-  bool fm_partial = kFlashMask && fm.partial(m_min, ss.fm_summary), fm_partial_next = false;
+  const FlashMaskQueryRuns runs = FlashMaskQueryRuns::of(fm, ss.fm_summary, kBlockM);
+  bool fm_partial = kFlashMask && runs.partial(m_min), fm_partial_next = false;
   auto advance = [&](int m_block) {
     if constexpr (kFlashMask) {
       if constexpr (kGroupLoop) {
         if (fm_next >= m_max && ++g < group) {
           fm_next = m_min;
-          fm_partial_next = fm.partial(m_min, ss.fm_summary);
+          fm_partial_next = runs.partial(m_min);
           dq_base += int64_t(args.seqlen_q_padded) * kHeadDim;
         }
       }
@@ -309,8 +310,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       warpgroup_gemm_issue<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
       warpgroup_gemm_issue<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
       if constexpr (kFlashMask) {
-        fm_next = fm.next_visible(m_block + 1, m_max, ss.fm_summary);
-        fm_partial_next = fm_next < m_max && fm.partial(fm_next, ss.fm_summary);
+        fm_next = runs.next_visible(m_block + 1, m_max);
+        fm_partial_next = fm_next < m_max && runs.partial(fm_next);
       }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
