@@ -83,6 +83,12 @@ FLASH_EXT_HD int fm_classify(int4 skip, int4 full, int r0, int r1) {
   return lt_clear && ut_clear ? kFmFull : kFmPartial;
 }
 
+// fm_classify's skip test alone (the summary's skip half): the forward's range ends need no more.
+FLASH_EXT_HD bool fm_skips(int4 skip, int r0, int r1) {
+  return (skip.x <= r0 && skip.y >= r1) || (skip.z <= r0 && skip.w >= r1) ||
+         (skip.z <= r0 && skip.x <= skip.w && skip.y >= r1);
+}
+
 // True when row `row` of the column whose normalized bounds are `b` is masked.
 FLASH_EXT_HD bool fm_masked(int4 b, int row) {
   return unsigned(row - b.x) < unsigned(b.y) || unsigned(row - b.z) < unsigned(b.w);

@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kThreads, 1)
     w.row0 = w.m_block * Traits::kBlockM - row_shift;
     w.row_shift = row_shift;
     if (w.row0 >= w.seq.seqlen_q) return false;
-    Mask(p, w.seq, w.head, w.batch).key_block_range_rows(w.row0, w.n_min, w.n_max);
+    typename Mask::ForWarps(p, w.seq, w.head, w.batch).key_block_range_rows(w.row0, w.n_min, w.n_max);
     return true;
   };
   const int work_end = scheduler.work_end();
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kThreads, 1)
     if (!tile_work(w)) continue;
     scheduler.clip_to_piece(t, w);
     w.rows_q = w.seq.seqlen_q - w.row0;  // a tile without keys still stores O = 0 and lse = -inf
-    const Mask mask(p, w.seq, w.head, w.batch);
+    const typename Mask::ForWarps mask(p, w.seq, w.head, w.batch);  // the consumers' policy
     trace.begin_tile(trace::kTileTop, w.tile, w.n_max - w.n_min);
     typename Mainloop::Consumer::Softmax softmax;
     consumer.mma(mainloop, w, mask, softmax, acc_o, o_rows, trace);

@@ -24,6 +24,8 @@ struct CausalLocalMask : BlockMask<kBlockM, kBlockN, kHasWindow> {
   __device__ __forceinline__ CausalLocalMask(const FwdParams& p, const SeqInfo& seq, int /*head*/, int /*batch*/)
       : BlockMask<kBlockM, kBlockN, kHasWindow>(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right) {}
 
+  using ForWarps = CausalLocalMask;  // the consumers' policy (see FlashMaskPolicyWarps)
+
   __device__ __forceinline__ int next_block(int /*row0*/, int n, int /*n_min*/) const { return n - 1; }
 };
 
@@ -39,11 +41,17 @@ struct CausalLocalMask : BlockMask<kBlockM, kBlockN, kHasWindow> {
 // instructions on every visited block (docs/perf-notes.md, "where the Hopper FlashMask kernels
 // lose to varlen on the same documents"). Tiles start at row 0 (no row shift). Rows are the query
 // rows of the sequence.
+template <int kBlockM, int kBlockN>
+struct FlashMaskPolicyWarps;
+template <typename Policy>
+struct WarpRange;
+
 template <int kBlockM, int kBlockN, bool kCacheClass = true>
 struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   using Base = BlockMask<kBlockM, kBlockN, true>;
   static constexpr bool kVisitsEveryBlock = false;
   static constexpr bool kIsFlashMask = true;  // the tile scheduler may drop its sections (p.fm)
+  using ForWarps = FlashMaskPolicyWarps<kBlockM, kBlockN>;
 
   const int4* nb;   // this tile's (mask head, batch row): normalized bounds of column 0
   const int4* kbs;  // its summary pair of key block 0 (of kBlockN columns)
@@ -82,6 +90,36 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     while (n_min < n_max && block_class(row0, n_min) == kFmSkip) ++n_min;
   }
 
+  // key_block_range_rows for callers in full warps (the consumers): the ends move past skipped
+  // blocks 32 at a time, each lane testing one block's skip half and a ballot finding the kept
+  // block nearest the end, instead of one dependent L1 load per skipped block (a sliding window's
+  // tile skips most of the causal range: ncu, docs/perf-notes.md "the forward's range ends").
+  // The same range as key_block_range_rows, which the producer's single thread computes.
+  __device__ __forceinline__ void key_block_range_rows_warps(int row0, int& n_min, int& n_max) const {
+    Base::key_block_range_rows(row0, n_min, n_max);
+    const int lane = threadIdx.x % 32, r1 = min(row0 + kBlockM, this->seqlen_q);
+    auto kept = [&](int n, bool in_range) {
+      return __ballot_sync(0xffffffffu, in_range && !fm_skips(__ldg(kbs + 2 * n), row0, r1));
+    };
+    int top = n_max;
+    for (; top > n_min; top -= 32) {  // lane i tests block top - 1 - i
+      const unsigned k = kept(top - 1 - lane, top - 1 - lane >= n_min);
+      if (k) {
+        n_max = top - (__ffs(k) - 1);
+        break;
+      }
+    }
+    if (top <= n_min) n_max = n_min;  // every block skipped
+    for (int bot = n_min; bot < n_max; bot += 32) {  // lane i tests block bot + i
+      const unsigned k = kept(bot + lane, bot + lane < n_max);
+      if (k) {
+        n_min = bot + __ffs(k) - 1;
+        break;
+      }
+    }
+    for (int b = n_min + lane; b < n_max; b += 32) asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
+  }
+
   // The next block below n that is not skipped; n_min (not skipped) stops the scan, and below
   // it the result is n_min - 1 (the walk's end).
   __device__ __forceinline__ int next_block(int row0, int n, int n_min) const {
@@ -100,7 +138,11 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0, int n) const {
     using namespace cute;
     Base::apply_rows(scores, coords, row0, n);
-    if (block_class(row0, n) != kFmPartial) return;
+    if (block_class(row0, n) == kFmPartial) apply_partial(scores, coords, row0, n);
+  }
+  template <typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply_partial(TensorS& scores, const TensorC& coords, int row0, int n) const {
+    using namespace cute;
     const int col0 = n * kBlockN;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(scores); ++c) {
@@ -115,6 +157,62 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   }
 };
 
+// FlashMaskPolicy as the consumers use it (ForWarps): they call the policy in full warps, so the
+// classes of 32 key blocks at a time are found by one load per lane and two ballots, kept as bit
+// words (CTA-uniform), and the walk (next_block) and the masks read the class from those bits:
+// no load and compare chain in the step's loop header (ncu: in the FlashMask forward with nothing
+// masked beyond causal, that chain cost 17% over causal; docs/perf-notes.md, "the forward's
+// class window"). The range's ends: key_block_range_rows_warps. The producer keeps the serial
+// FlashMaskPolicy: the same classes, so the same walk.
+template <int kBlockM, int kBlockN>
+struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
+  using Policy = FlashMaskPolicy<kBlockM, kBlockN, false>;
+  using Policy::Policy;
+  using ForWarps = FlashMaskPolicyWarps;
+  // Blocks [win_lo, win_lo + 32): bit i of win_skip / win_part says block win_lo + i is skipped /
+  // partial (blocks below 0 count as skipped; no walk reaches them).
+  mutable int win_lo = -(1 << 30);
+  mutable unsigned win_skip = 0u, win_part = 0u;
+
+  __device__ __forceinline__ void load_window(int row0, int top) const {
+    win_lo = top - 31;
+    const int n = win_lo + int(threadIdx.x % 32);
+    const int c = n < 0 ? kFmSkip : fm_classify(__ldg(this->kbs + 2 * n), __ldg(this->kbs + 2 * n + 1), row0,
+                                                 min(row0 + kBlockM, this->seqlen_q));
+    win_skip = __ballot_sync(0xffffffffu, c == kFmSkip);
+    win_part = __ballot_sync(0xffffffffu, c == kFmPartial);
+  }
+  __device__ __forceinline__ bool in_window(int n) const { return unsigned(n - win_lo) < 32u; }
+  __device__ __forceinline__ bool partial(int row0, int n) const {
+    if (!in_window(n)) load_window(row0, n);
+    return (win_part >> (n - win_lo)) & 1u;
+  }
+
+  __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
+    this->key_block_range_rows_warps(row0, n_min, n_max);
+  }
+  // next_block's walk on the bits: the highest kept block in [n_min, n), else n_min (visited
+  // whatever its class, as in the serial walk: a stream-K piece's n_min may be skipped).
+  __device__ __forceinline__ int next_block(int row0, int n, int n_min) const {
+    for (--n; n > n_min; n = win_lo - 1) {
+      if (!in_window(n)) load_window(row0, n);
+      unsigned kept = ~win_skip & (0xffffffffu >> (31 - (n - win_lo)));  // blocks win_lo..n
+      if (n_min > win_lo) kept &= 0xffffffffu << (n_min - win_lo);
+      if (kept) return win_lo + 31 - __clz(kept);
+      if (n_min >= win_lo) return n_min;
+    }
+    return n;
+  }
+  __device__ __forceinline__ bool needs_mask_rows(int row0, int n) const {
+    return Policy::Base::needs_mask_rows(row0, n) || partial(row0, n);
+  }
+  template <typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0, int n) const {
+    Policy::Base::apply_rows(scores, coords, row0, n);
+    if (partial(row0, n)) this->apply_partial(scores, coords, row0, n);
+  }
+};
+
 // FlashMaskPolicy for consumers short of registers (d = 256: O alone takes 128 per thread). The
 // plain apply_rows loads all of a thread's columns' bounds (16 int4 at kBlockN = 64), which ptxas
 // issued together and spilled for; here they are read 4 columns per turn of a rolled loop and
@@ -125,6 +223,8 @@ template <int kBlockM, int kBlockN>
 struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
   using Policy = FlashMaskPolicy<kBlockM, kBlockN, false>;
   using Policy::Policy;
+  // The consumers' policy: the warps' range ends, no class window (registers).
+  using ForWarps = WarpRange<FlashMaskPolicyLowRegs>;
 
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0, int n) const {
@@ -159,6 +259,18 @@ struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
         if (bits[r] & (1u << c)) scores(r, c) = -INFINITY;
       }
     }
+  }
+};
+
+// A FlashMask policy with the warps' range ends (key_block_range_rows_warps) and otherwise its
+// own methods: the consumers' policy where no class window is kept.
+template <typename Policy>
+struct WarpRange : Policy {
+  using ForWarps = WarpRange;
+  __device__ __forceinline__ WarpRange(const FwdParams& p, const SeqInfo& seq, int head, int batch)
+      : Policy(p, seq, head, batch) {}
+  __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
+    this->key_block_range_rows_warps(row0, n_min, n_max);
   }
 };
 
