@@ -34,13 +34,11 @@ struct CausalLocalMask : BlockMask<kBlockM, kBlockN, kHasWindow> {
 // [row0, min(row0 + kBlockM, seqlen_q)) comes from the key-block summaries, made for this
 // kernel's kBlockN (the launch checks): kFmSkip blocks are never visited (the range's ends are
 // shrunk past them, next_block jumps over them), kFmPartial ones get the interval test per score
-// after the usual mask. Each side computes a block's class from the summaries (two 16-byte loads
-// that hit L1/L2) instead of having it handed from producer to consumers; with kCacheClass the
-// class last computed is kept, so that a consumer computes it once per visited block (in the
-// walk's next_block) instead of three times (next_block, needs_mask_rows, apply_rows), which cost
-// instructions on every visited block (docs/perf-notes.md, "where the Hopper FlashMask kernels
-// lose to varlen on the same documents"). Tiles start at row 0 (no row shift). Rows are the query
-// rows of the sequence.
+// after the usual mask. Each side computes a block's class from the summaries instead of having
+// it handed from producer to consumers: this policy is the producer's (one thread: a block at a
+// time, two 16-byte loads that hit L1/L2; with kCacheClass the class last computed is kept), and
+// ForWarps (FlashMaskPolicyWarps, below) the consumers', which classify 32 blocks per ballot.
+// Tiles start at row 0 (no row shift). Rows are the query rows of the sequence.
 template <int kBlockM, int kBlockN>
 struct FlashMaskPolicyWarps;
 template <typename Policy>
