@@ -191,7 +191,15 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
   }
   // next_block's walk on the bits: the highest kept block in [n_min, n), else n_min (visited
   // whatever its class, as in the serial walk: a stream-K piece's n_min may be skipped).
+  // The result goes through redux.sync: ptxas then keeps the walk's block index, and what the
+  // step derives from it (the wgmma descriptors), in uniform registers; read from the bit words
+  // alone it judged the loop per-thread and built the descriptors in vector registers, moved to
+  // uniform ones before every HGMMA (SASS: docs/perf-notes.md, "the forward loop's uniform
+  // registers").
   __device__ __forceinline__ int next_block(int row0, int n, int n_min) const {
+    return __reduce_max_sync(0xffffffffu, walk_bits(row0, n, n_min));
+  }
+  __device__ __forceinline__ int walk_bits(int row0, int n, int n_min) const {
     for (--n; n > n_min; n = win_lo - 1) {
       if (!in_window(n)) load_window(row0, n);
       unsigned kept = ~win_skip & (0xffffffffu >> (31 - (n - win_lo)));  // blocks win_lo..n
