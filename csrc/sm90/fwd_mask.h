@@ -84,8 +84,26 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
       asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
     }
-    while (n_max > n_min && block_class(row0, n_max - 1) == kFmSkip) --n_max;
-    while (n_min < n_max && block_class(row0, n_min) == kFmSkip) ++n_min;
+    // Two blocks per round, their skip halves loaded together: half the dependent L1 round trips
+    // of one thread's walk past a long skipped run (the producer's; the consumers take ballots).
+    const int r1 = min(row0 + kBlockM, this->seqlen_q);
+    auto skipped = [&](int n) { return fm_skips(__ldg(kbs + 2 * n), row0, r1); };
+    while (n_max - n_min >= 2) {
+      const bool a = skipped(n_max - 1), b = skipped(n_max - 2);
+      if (!a) break;
+      --n_max;
+      if (!b) break;
+      --n_max;
+    }
+    if (n_max > n_min && skipped(n_max - 1)) --n_max;
+    while (n_max - n_min >= 2) {
+      const bool a = skipped(n_min), b = skipped(n_min + 1);
+      if (!a) break;
+      ++n_min;
+      if (!b) break;
+      ++n_min;
+    }
+    if (n_min < n_max && skipped(n_min)) ++n_min;
   }
 
   // key_block_range_rows for callers in full warps (the consumers): the ends move past skipped
