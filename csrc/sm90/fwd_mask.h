@@ -84,8 +84,26 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
       asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
     }
-    while (n_max > n_min && block_class(row0, n_max - 1) == kFmSkip) --n_max;
-    while (n_min < n_max && block_class(row0, n_min) == kFmSkip) ++n_min;
+    // Two blocks per round, their skip halves loaded together: half the dependent L1 round trips
+    // of one thread's walk past a long skipped run (the producer's; the consumers take ballots).
+    const int r1 = min(row0 + kBlockM, this->seqlen_q);
+    auto skipped = [&](int n) { return fm_skips(__ldg(kbs + 2 * n), row0, r1); };
+    while (n_max - n_min >= 2) {
+      const bool a = skipped(n_max - 1), b = skipped(n_max - 2);
+      if (!a) break;
+      --n_max;
+      if (!b) break;
+      --n_max;
+    }
+    if (n_max > n_min && skipped(n_max - 1)) --n_max;
+    while (n_max - n_min >= 2) {
+      const bool a = skipped(n_min), b = skipped(n_min + 1);
+      if (!a) break;
+      ++n_min;
+      if (!b) break;
+      ++n_min;
+    }
+    if (n_min < n_max && skipped(n_min)) ++n_min;
   }
 
   // key_block_range_rows for callers in full warps (the consumers): the ends move past skipped
@@ -191,7 +209,15 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
   }
   // next_block's walk on the bits: the highest kept block in [n_min, n), else n_min (visited
   // whatever its class, as in the serial walk: a stream-K piece's n_min may be skipped).
+  // The result goes through redux.sync: ptxas then keeps the walk's block index, and what the
+  // step derives from it (the wgmma descriptors), in uniform registers; read from the bit words
+  // alone it judged the loop per-thread and built the descriptors in vector registers, moved to
+  // uniform ones before every HGMMA (SASS: docs/perf-notes.md, "the forward loop's uniform
+  // registers").
   __device__ __forceinline__ int next_block(int row0, int n, int n_min) const {
+    return __reduce_max_sync(0xffffffffu, walk_bits(row0, n, n_min));
+  }
+  __device__ __forceinline__ int walk_bits(int row0, int n, int n_min) const {
     for (--n; n > n_min; n = win_lo - 1) {
       if (!in_window(n)) load_window(row0, n);
       unsigned kept = ~win_skip & (0xffffffffu >> (31 - (n - win_lo)));  // blocks win_lo..n
