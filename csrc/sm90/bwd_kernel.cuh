@@ -294,7 +294,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   if (m_min < m_max) {
     Barrier::wait(&ss.barrier_kv, 0);
-    PipelineState read;
+    PipelineState read, read_prev;  // kDkAcrossSteps: the stage of the step whose dK is in flight
+    bool dk_in_flight = false;
     static_assert(Traits::kStages % 2 == 0, "dS^T buffer: stage parity alternates per step (FlashMask skips)");
     for (int m_block = m_min; m_block < m_max; m_block = advance(m_block)) {
       const int stage = read.index(), buf = kHasWindow || kGroupLoop ? stage & 1 : (m_block - m_min) & 1;  // per step
@@ -313,8 +314,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         fm_next = runs.next_visible(m_block + 1, m_max);
         fm_partial_next = fm_next < m_max && runs.partial(fm_next);
       }
-      warpgroup_wait<1>();
+      warpgroup_wait<1>();  // S^T (and kDkAcrossSteps: the previous step's dK, issued before it)
       warpgroup_fence_operand(acc_s);
+      if constexpr (Traits::kDkAcrossSteps) {
+        if (dk_in_flight) pipeline_q.consumer_release(read_prev);  // its dK read Q^T from that stage
+      }
 
       // P^T = exp2(S^T * scale_log2 - lse_log2[query]).
       Tensor st = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
@@ -373,8 +377,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
       convert_into(rdS, acc_dp);
       copy(rdS, tdSsdS(_, _, _, buf));
-      if constexpr (!Traits::kSplitD) {
-        Tensor tdKrdS = make_tensor(rdS.data(), gmma_acc_as_rs_a(rdS.layout()));
+      Tensor tdKrdS = make_tensor(rdS.data(), gmma_acc_as_rs_a(rdS.layout()));
+      if constexpr (!Traits::kSplitD && !Traits::kDkAcrossSteps) {
         warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
       }
 
@@ -393,9 +397,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
       warpgroup_gemm_issue<true, false>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dq);
-      pipeline_q.consumer_release(read);
+      if constexpr (Traits::kDkAcrossSteps) {
+        warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
+        warpgroup_wait<1>();  // dV and dQ; dK runs on into the next step
+        warpgroup_fence_operand(acc_dq);
+        read_prev = read;
+        dk_in_flight = true;
+      } else {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dq);
+        pipeline_q.consumer_release(read);
+      }
       ++read;
 
       // dQ_i += dS K in fp32, four values per reduction into this thread's slots of the tile
@@ -410,6 +422,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
                      "f"(acc_dq(i + 1)), "f"(acc_dq(i + 2)), "f"(acc_dq(i + 3))
                      : "memory");
       }
+    }
+    if constexpr (Traits::kDkAcrossSteps) {
+      warpgroup_wait<0>();  // the last step's dK
+      warpgroup_fence_operand(acc_dk);
     }
   }
 
