@@ -9,7 +9,7 @@
 //                            S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse)   (wgmma SS)
 //                            dP^T = V dO^T                                         (wgmma SS)
 //                            dV += P^T dO                                          (wgmma RS)
-//                            dS^T = P^T * (dP^T - D) * scale
+//                            dS^T = P^T * (dP^T - D)   (the scale: on dK, dQ at the end)
 //                            dK += dS^T Q                                          (wgmma RS)
 //                            dQ_i += dS K (dS through shared memory, fp32 atomics) (wgmma SS)
 //                          dK and dV stay in registers until the end.
@@ -354,7 +354,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         warpgroup_gemm_issue<false, true>(mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), acc_dv);
       }
 
-      // dS^T = P^T * (dP^T - D[query]) * scale (times the softcap derivative).
+      // dS^T = P^T * (dP^T - D[query]) (times the softcap derivative); the softmax scale is
+      // applied once to dK in the epilogue and to dQ in the convert kernel, not per element.
       warpgroup_wait<Traits::kSplitD ? 0 : 1>();
       warpgroup_fence_operand(acc_dp);
       Tensor dpt = make_tensor(acc_dp.data(), gmma_acc_as_rows_cols(acc_dp.layout()));
@@ -371,7 +372,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
             const float t = (__log2f(pr) + lse) * softcap_t_factor;
             ds = pr > 0.f ? ds * (1.f - t * t) : 0.f;
           }
-          dpt(r, c) = ds * softmax_scale;
+          dpt(r, c) = ds;
         }
       }
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
@@ -429,7 +430,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     }
   }
 
-  // Epilogue: dK (already scaled) and dV in the input dtype, rows < seqlen_k, cols < head_dim.
+  // Epilogue: dK (times the softmax scale, which dS^T left out) and dV in the input dtype, rows
+  // < seqlen_k, cols < head_dim.
   // Varlen: seqlen_k is the sequence's, so no row of the next sequence is written.
   const int rows_k = (kVarlen ? seq_len(p.cu_seqlens_k) : seqlen_k) - n_block * kBlockN;
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -446,8 +448,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     const int row = get<0>(cKV(i)), col = get<1>(cKV(i));
     if (row < rows_k && col < p.head_dim) {
       cutlass::Array<Element, 2> k2, v2;
-      k2[0] = Element(acc_dk(i));
-      k2[1] = Element(acc_dk(i + 1));
+      k2[0] = Element(acc_dk(i) * softmax_scale);
+      k2[1] = Element(acc_dk(i + 1) * softmax_scale);
       v2[0] = Element(acc_dv(i));
       v2[1] = Element(acc_dv(i + 1));
       *reinterpret_cast<cutlass::Array<Element, 2>*>(dk_tile + row * p.dk_row_stride + col) = k2;
