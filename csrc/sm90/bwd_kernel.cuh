@@ -88,6 +88,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  // dK retires in the next step (Traits::kDkAcrossSteps) except in the plain causal / local
+  // kernel, which measured no gain from it (docs/perf-notes.md, Session 29).
+  constexpr bool kDkAcrossSteps = Traits::kDkAcrossSteps && !(kHasWindow && !kFlashMask);
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
@@ -316,7 +319,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       warpgroup_wait<1>();  // S^T (and kDkAcrossSteps: the previous step's dK, issued before it)
       warpgroup_fence_operand(acc_s);
-      if constexpr (Traits::kDkAcrossSteps) {
+      if constexpr (kDkAcrossSteps) {
         if (dk_in_flight) pipeline_q.consumer_release(read_prev);  // its dK read Q^T from that stage
       }
 
@@ -379,7 +382,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       convert_into(rdS, acc_dp);
       copy(rdS, tdSsdS(_, _, _, buf));
       Tensor tdKrdS = make_tensor(rdS.data(), gmma_acc_as_rs_a(rdS.layout()));
-      if constexpr (!Traits::kSplitD && !Traits::kDkAcrossSteps) {
+      if constexpr (!Traits::kSplitD && !kDkAcrossSteps) {
         warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
       }
 
@@ -398,7 +401,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
       warpgroup_gemm_issue<true, false>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
-      if constexpr (Traits::kDkAcrossSteps) {
+      if constexpr (kDkAcrossSteps) {
         warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
         warpgroup_wait<1>();  // dV and dQ; dK runs on into the next step
         warpgroup_fence_operand(acc_dq);
@@ -424,7 +427,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
                      : "memory");
       }
     }
-    if constexpr (Traits::kDkAcrossSteps) {
+    if constexpr (kDkAcrossSteps) {
       warpgroup_wait<0>();  // the last step's dK
       warpgroup_fence_operand(acc_dk);
     }
