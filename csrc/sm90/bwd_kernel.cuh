@@ -72,12 +72,9 @@ struct BwdArgs {
 // kVarlen: blockIdx.z is a sequence of a packed batch (cu_seqlens; the TMA tensors are the packed
 // tensors as one batch): its lengths replace seqlen_q / seqlen_k everywhere, its rows start at
 // q_start / k_start, its padded lse / D / dq_accum rows at varlen_padded_row0. No group loop.
-// kFlashMask (with kHasWindow): the kernel can run FlashMask (p.has_flashmask decides at run time).
-// Fixed-length FlashMask calls have an instantiation of their own, so that the causal / local
-// kernels compile without its code (sharing one kernel, a FlashMask change moved the causal
-// backward's time by 5-8%: docs/perf-notes.md, "FlashMask in its own Hopper backward
-// instantiation"); the varlen windowed kernel keeps both
-// (without FlashMask's code its d = 64 instantiation spilled 68 bytes).
+// kFlashMask (with kHasWindow): the kernel can run FlashMask (p.has_flashmask decides at run time);
+// fixed-length FlashMask calls have an instantiation of their own, so that the causal / local
+// kernels compile without its code; the varlen windowed kernel keeps both (docs/perf-notes.md).
 template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -106,8 +103,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const int head0 = kGroupLoop ? head_y * group : head_y;
   const int warp_group = threadIdx.x / 128;  // 0: producer
   static_assert(!(kVarlen && kGroupLoop), "varlen runs the expand schedule only");
-  // Varlen: a sequence's length, loaded where it is used in the consumers' loop and epilogue
-  // rather than held in a register across the loop (the windowed d = 64 kernel spilled there).
+  // Varlen: a sequence's length, loaded where it is used rather than held across the loop (spills).
   auto seq_len = [&](const int* cu) { return cu[batch + 1] - cu[batch]; };
   const int q_start = kVarlen ? p.cu_seqlens_q[batch] : 0;
   const int k_start = kVarlen ? p.cu_seqlens_k[batch] : 0;
@@ -414,18 +410,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       ++read;
 
-      // dQ_i += dS K in fp32, four values per reduction into this thread's slots of the tile
-      // (dq_accum_slot). No predicate: the buffer has padded rows and kHeadDim columns, and
-      // whatever lands past seqlen_q or head_dim is never read (it is 0 anyway: P = 0 on padded
-      // rows, K's columns past head_dim load as 0).
-      float* dq_tile = dq_base + int64_t(m_block) * kBlockM * kHeadDim;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); i += 4) {
-        float* dst = dq_tile + dq_accum_slot<Traits>(i, mma_tid);
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(acc_dq(i)),
-                     "f"(acc_dq(i + 1)), "f"(acc_dq(i + 2)), "f"(acc_dq(i + 3))
-                     : "memory");
-      }
+      dq_accum_add<Traits>(dq_base + int64_t(m_block) * kBlockM * kHeadDim, acc_dq, mma_tid);
     }
     if constexpr (kDkAcrossSteps) {
       warpgroup_wait<0>();  // the last step's dK

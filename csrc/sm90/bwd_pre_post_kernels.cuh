@@ -28,6 +28,21 @@ __device__ __forceinline__ int dq_accum_slot(int i, int thread) {
   return ((i / 4) * Traits::kMmaThreads + thread) * 4 + i % 4;
 }
 
+// dQ_i += dS K in fp32: a consumer thread adds its dQ accumulators to its slots of the tile, four
+// values per reduction. No predicate: the buffer has padded rows and kHeadDim columns, and whatever
+// lands past seqlen_q or head_dim is never read (it is 0 anyway: P = 0 on padded rows, K's columns
+// past head_dim load as 0).
+template <typename Traits, typename Acc>
+__device__ __forceinline__ void dq_accum_add(float* dq_tile, const Acc& acc_dq, int thread) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); i += 4) {
+    float* dst = dq_tile + dq_accum_slot<Traits>(i, thread);
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(acc_dq(i)), "f"(acc_dq(i + 1)),
+                 "f"(acc_dq(i + 2)), "f"(acc_dq(i + 3))
+                 : "memory");
+  }
+}
+
 // Varlen: the padded buffers are (heads_q, seqlen_q_padded) rows (x kernel head dim for
 // dq_accum) and sequence b's rows of a head start at this row, a multiple of 128; the next
 // sequence's start at least round_up(its seqlen_q, 128) rows later, so every query block of b
