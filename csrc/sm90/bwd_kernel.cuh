@@ -9,7 +9,7 @@
 //                            S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse)   (wgmma SS)
 //                            dP^T = V dO^T                                         (wgmma SS)
 //                            dV += P^T dO                                          (wgmma RS)
-//                            dS^T = P^T * (dP^T - D) * scale
+//                            dS^T = P^T * (dP^T - D)   (the scale: on dK, dQ at the end)
 //                            dK += dS^T Q                                          (wgmma RS)
 //                            dQ_i += dS K (dS through shared memory, fp32 atomics) (wgmma SS)
 //                          dK and dV stay in registers until the end.
@@ -72,12 +72,9 @@ struct BwdArgs {
 // kVarlen: blockIdx.z is a sequence of a packed batch (cu_seqlens; the TMA tensors are the packed
 // tensors as one batch): its lengths replace seqlen_q / seqlen_k everywhere, its rows start at
 // q_start / k_start, its padded lse / D / dq_accum rows at varlen_padded_row0. No group loop.
-// kFlashMask (with kHasWindow): the kernel can run FlashMask (p.has_flashmask decides at run time).
-// Fixed-length FlashMask calls have an instantiation of their own, so that the causal / local
-// kernels compile without its code (sharing one kernel, a FlashMask change moved the causal
-// backward's time by 5-8%: docs/perf-notes.md, "FlashMask in its own Hopper backward
-// instantiation"); the varlen windowed kernel keeps both
-// (without FlashMask's code its d = 64 instantiation spilled 68 bytes).
+// kFlashMask (with kHasWindow): the kernel can run FlashMask (p.has_flashmask decides at run time);
+// fixed-length FlashMask calls have an instantiation of their own, so that the causal / local
+// kernels compile without its code; the varlen windowed kernel keeps both (docs/perf-notes.md).
 template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -88,6 +85,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  // dK retires in the next step (Traits::kDkAcrossSteps) except in the plain causal / local
+  // kernel, which measured no gain from it (docs/perf-notes.md, Session 29).
+  constexpr bool kDkAcrossSteps = Traits::kDkAcrossSteps && !(kHasWindow && !kFlashMask);
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
@@ -103,8 +103,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const int head0 = kGroupLoop ? head_y * group : head_y;
   const int warp_group = threadIdx.x / 128;  // 0: producer
   static_assert(!(kVarlen && kGroupLoop), "varlen runs the expand schedule only");
-  // Varlen: a sequence's length, loaded where it is used in the consumers' loop and epilogue
-  // rather than held in a register across the loop (the windowed d = 64 kernel spilled there).
+  // Varlen: a sequence's length, loaded where it is used rather than held across the loop (spills).
   auto seq_len = [&](const int* cu) { return cu[batch + 1] - cu[batch]; };
   const int q_start = kVarlen ? p.cu_seqlens_q[batch] : 0;
   const int k_start = kVarlen ? p.cu_seqlens_k[batch] : 0;
@@ -294,7 +293,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   if (m_min < m_max) {
     Barrier::wait(&ss.barrier_kv, 0);
-    PipelineState read;
+    PipelineState read, read_prev;  // kDkAcrossSteps: the stage of the step whose dK is in flight
+    bool dk_in_flight = false;
     static_assert(Traits::kStages % 2 == 0, "dS^T buffer: stage parity alternates per step (FlashMask skips)");
     for (int m_block = m_min; m_block < m_max; m_block = advance(m_block)) {
       const int stage = read.index(), buf = kHasWindow || kGroupLoop ? stage & 1 : (m_block - m_min) & 1;  // per step
@@ -313,8 +313,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         fm_next = runs.next_visible(m_block + 1, m_max);
         fm_partial_next = fm_next < m_max && runs.partial(fm_next);
       }
-      warpgroup_wait<1>();
+      warpgroup_wait<1>();  // S^T (and kDkAcrossSteps: the previous step's dK, issued before it)
       warpgroup_fence_operand(acc_s);
+      if constexpr (kDkAcrossSteps) {
+        if (dk_in_flight) pipeline_q.consumer_release(read_prev);  // its dK read Q^T from that stage
+      }
 
       // P^T = exp2(S^T * scale_log2 - lse_log2[query]).
       Tensor st = make_tensor(acc_s.data(), gmma_acc_as_rows_cols(acc_s.layout()));
@@ -350,7 +353,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         warpgroup_gemm_issue<false, true>(mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), acc_dv);
       }
 
-      // dS^T = P^T * (dP^T - D[query]) * scale (times the softcap derivative).
+      // dS^T = P^T * (dP^T - D[query]) (times the softcap derivative); the softmax scale is
+      // applied once to dK in the epilogue and to dQ in the convert kernel, not per element.
       warpgroup_wait<Traits::kSplitD ? 0 : 1>();
       warpgroup_fence_operand(acc_dp);
       Tensor dpt = make_tensor(acc_dp.data(), gmma_acc_as_rows_cols(acc_dp.layout()));
@@ -367,14 +371,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
             const float t = (__log2f(pr) + lse) * softcap_t_factor;
             ds = pr > 0.f ? ds * (1.f - t * t) : 0.f;
           }
-          dpt(r, c) = ds * softmax_scale;
+          dpt(r, c) = ds;
         }
       }
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
       convert_into(rdS, acc_dp);
       copy(rdS, tdSsdS(_, _, _, buf));
-      if constexpr (!Traits::kSplitD) {
-        Tensor tdKrdS = make_tensor(rdS.data(), gmma_acc_as_rs_a(rdS.layout()));
+      Tensor tdKrdS = make_tensor(rdS.data(), gmma_acc_as_rs_a(rdS.layout()));
+      if constexpr (!Traits::kSplitD && !kDkAcrossSteps) {
         warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
       }
 
@@ -393,27 +397,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
       warpgroup_gemm_issue<true, false>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dq);
-      pipeline_q.consumer_release(read);
+      if constexpr (kDkAcrossSteps) {
+        warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
+        warpgroup_wait<1>();  // dV and dQ; dK runs on into the next step
+        warpgroup_fence_operand(acc_dq);
+        read_prev = read;
+        dk_in_flight = true;
+      } else {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dq);
+        pipeline_q.consumer_release(read);
+      }
       ++read;
 
-      // dQ_i += dS K in fp32, four values per reduction into this thread's slots of the tile
-      // (dq_accum_slot). No predicate: the buffer has padded rows and kHeadDim columns, and
-      // whatever lands past seqlen_q or head_dim is never read (it is 0 anyway: P = 0 on padded
-      // rows, K's columns past head_dim load as 0).
-      float* dq_tile = dq_base + int64_t(m_block) * kBlockM * kHeadDim;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); i += 4) {
-        float* dst = dq_tile + dq_accum_slot<Traits>(i, mma_tid);
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(acc_dq(i)),
-                     "f"(acc_dq(i + 1)), "f"(acc_dq(i + 2)), "f"(acc_dq(i + 3))
-                     : "memory");
-      }
+      dq_accum_add<Traits>(dq_base + int64_t(m_block) * kBlockM * kHeadDim, acc_dq, mma_tid);
+    }
+    if constexpr (kDkAcrossSteps) {
+      warpgroup_wait<0>();  // the last step's dK
+      warpgroup_fence_operand(acc_dk);
     }
   }
 
-  // Epilogue: dK (already scaled) and dV in the input dtype, rows < seqlen_k, cols < head_dim.
+  // Epilogue: dK (times the softmax scale, which dS^T left out) and dV in the input dtype, rows
+  // < seqlen_k, cols < head_dim.
   // Varlen: seqlen_k is the sequence's, so no row of the next sequence is written.
   const int rows_k = (kVarlen ? seq_len(p.cu_seqlens_k) : seqlen_k) - n_block * kBlockN;
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -430,8 +436,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     const int row = get<0>(cKV(i)), col = get<1>(cKV(i));
     if (row < rows_k && col < p.head_dim) {
       cutlass::Array<Element, 2> k2, v2;
-      k2[0] = Element(acc_dk(i));
-      k2[1] = Element(acc_dk(i + 1));
+      k2[0] = Element(acc_dk(i) * softmax_scale);
+      k2[1] = Element(acc_dk(i + 1) * softmax_scale);
       v2[0] = Element(acc_dv(i));
       v2[1] = Element(acc_dv(i + 1));
       *reinterpret_cast<cutlass::Array<Element, 2>*>(dk_tile + row * p.dk_row_stride + col) = k2;

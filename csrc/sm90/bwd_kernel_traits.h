@@ -41,6 +41,10 @@ struct BwdTraits {
   // dQ = dS K: split by rows when each warpgroup can take 64 query rows, else by columns (which
   // then must be whole 64-wide swizzle atoms of K^T).
   static constexpr bool kDqSplitRows = kBlockM == 128;
+  // dK of step i is issued after its dQ and retires in step i + 1, under the dQ reductions, the
+  // loop's top and the next S^T (no full wgmma drain per step; its dS^T registers stay live into
+  // the next step, which fits the 64-query tile's registers).
+  static constexpr bool kDkAcrossSteps = !kSplitD && kBlockM == 64;
   static_assert(kBlockM == 128 || (kBlockM == 64 && kHeadDim % 128 == 0), "dQ split");
 
   using AtomSplitM = Layout<Shape<_2, _1, _1>>;

@@ -3,7 +3,8 @@
 //                          buffers padded to a multiple of kBlockM rows (pad: D = 0, lse = +inf,
 //                          so padded rows give P = 0 and need no mask), and the layout the
 //                          main kernel bulk-copies (16-byte aligned rows); zeroes dq_accum.
-//   bwd_dq_convert_kernel  dq (input dtype) from the fp32 dq_accum tiles.
+//   bwd_dq_convert_kernel  dq (input dtype) = softmax_scale * the fp32 dq_accum tiles (the main
+//                          kernel's dS leaves the scale out).
 // and the dq_accum tile layout that the main kernel's dQ reductions and the convert kernel share.
 #pragma once
 #include <cute/tensor.hpp>
@@ -25,6 +26,21 @@ using namespace cute;
 template <typename Traits>
 __device__ __forceinline__ int dq_accum_slot(int i, int thread) {
   return ((i / 4) * Traits::kMmaThreads + thread) * 4 + i % 4;
+}
+
+// dQ_i += dS K in fp32: a consumer thread adds its dQ accumulators to its slots of the tile, four
+// values per reduction. No predicate: the buffer has padded rows and kHeadDim columns, and whatever
+// lands past seqlen_q or head_dim is never read (it is 0 anyway: P = 0 on padded rows, K's columns
+// past head_dim load as 0).
+template <typename Traits, typename Acc>
+__device__ __forceinline__ void dq_accum_add(float* dq_tile, const Acc& acc_dq, int thread) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); i += 4) {
+    float* dst = dq_tile + dq_accum_slot<Traits>(i, thread);
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(acc_dq(i)), "f"(acc_dq(i + 1)),
+                 "f"(acc_dq(i + 2)), "f"(acc_dq(i + 3))
+                 : "memory");
+  }
 }
 
 // Varlen: the padded buffers are (heads_q, seqlen_q_padded) rows (x kernel head dim for
@@ -118,8 +134,8 @@ __device__ __forceinline__ void zero_dq_outside_sequences(const BwdParams& p, in
   }
 }
 
-// dq = dq_accum in the input dtype: one CTA per (query block, head, batch). Each thread reads its
-// own fragment's slots (coalesced 16-byte loads), places the values by their (row, col) in a
+// dq = softmax_scale * dq_accum in the input dtype: one CTA per (query block, head, batch). Each
+// thread reads its own fragment's slots (coalesced 16-byte loads), places the values by their (row, col) in a
 // shared-memory tile, and the CTA writes the rows < seqlen_q, columns < head_dim out with 16-byte
 // stores (element by element when head_dim is not a multiple of 8). kVarlen: the grid covers the
 // longest sequence plus one column of CTAs; a query block past its sequence exits, the others
@@ -152,7 +168,8 @@ __global__ void __launch_bounds__(Traits::kMmaThreads) bwd_dq_convert_kernel(con
   CUTE_UNROLL
   for (int i = 0; i < size(cdQ); i += 4) {
     const float4 v = *reinterpret_cast<const float4*>(src + dq_accum_slot<Traits>(i, tid));
-    const float vals[4] = {v.x, v.y, v.z, v.w};
+    const float sc = p.softmax_scale;
+    const float vals[4] = {v.x * sc, v.y * sc, v.z * sc, v.w * sc};
     CUTE_UNROLL
     for (int e = 0; e < 4; e += 2) {  // values i + e, i + e + 1 are adjacent columns of one row
       cutlass::Array<Element, 2> pair;
