@@ -178,16 +178,23 @@ def test_sm90_varlen_nothing_visible(lens_q, lens_k):
 
 @requires_sm90
 def test_sm90_varlen_matches_sm80(tuning):
-    """The same packed call on both backward paths (a check beside the reference's)."""
+    """The same packed call on both backward paths (a check beside the reference's). The paths round
+    dS to the input dtype differently (sm80: dS * scale; sm90: dS, the scale applied to dK and dQ in
+    fp32), so they agree to the bf16 error of a backward, not bitwise: the largest difference must
+    stay within twice the error of torch's bf16 backward against the float32 reference."""
     lens_q, lens_k = [700, 1, 129, 2000], [900, 64, 129, 1999]
     q, k, v, dout, cq, ck = _packed(lens_q, lens_k, 8, 2, 128, torch.bfloat16)
     kw = dict(cu_q=cq, cu_k=ck, max_sq=max(lens_q), max_sk=max(lens_k), causal=True)
     sm90 = flash_fwd_bwd(q, k, v, dout, **kw)[2:]
     tuning.set("FLASH_EXT_BWD_PATH", "sm80")
     sm80 = flash_fwd_bwd(q, k, v, dout, **kw)[2:]
-    for name, a, b in zip(("dq", "dk", "dv"), sm90, sm80):
+    ref = ref_grads(q, k, v, dout, upcast=True, varlen=(cq, ck), causal=True)
+    pt = ref_grads(q, k, v, dout, upcast=False, varlen=(cq, ck), causal=True)
+    for name, a, b, r, p in zip(("dq", "dk", "dv"), sm90, sm80, ref, pt):
         assert not a.isnan().any(), name
-        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2, msg=name)
+        diff = (a.float() - b.float()).abs().max().item()
+        pt_err = (p.float() - r).abs().max().item()
+        assert diff <= 2 * pt_err + 1e-5, f"{name}: max |sm90 - sm80| {diff:.3e} > 2 x torch bf16's error {pt_err:.3e}"
 
 
 @requires_sm90
