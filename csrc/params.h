@@ -132,7 +132,8 @@ struct BwdParams : FwdParams {
   // zero-initialized by the caller. Atomic mode (dq_split_stride == 0): every key block adds its
   // contribution with fp32 atomics. Deterministic mode: key block n writes its contribution with
   // plain stores into slice n (at dq_accum + n * dq_split_stride); the caller sums the slices.
-  // Already multiplied by softmax_scale.
+  // sm80: already multiplied by softmax_scale (the Hopper kernels' tiles are not: their dQ convert
+  // kernel multiplies).
   float* __restrict__ dq_accum;
   int64_t dqa_batch_stride, dqa_row_stride, dqa_head_stride;
   int64_t dq_split_stride;
