@@ -66,3 +66,35 @@ def test_sm90_kernels_use_hgmma(kernel):
             continue  # an empty sm_80 stub of the sm90 kernel (its body needs sm_90a)
         assert "HGMMA" in text, f"{name} has no HGMMA instruction"
     assert any("HGMMA" in "\n".join(b) for b in sm90.values())
+
+
+def _serialized_hgmma_share(body):
+    """Full wgmma waits per HGMMA instruction of a kernel. ptxas serializes a kernel's wgmmas when
+    it cannot keep their asynchronous operands in registers (warning C7512, which does not fail a
+    build): every HGMMA then closes its own group and is waited for at once (1.0); a pipelined
+    kernel waits for everything only a few times per loop (the Hopper kernels: 0.03-0.12)."""
+    hgmma = sum(1 for line in body if "HGMMA" in line)
+    waits = sum(1 for line in body if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line)
+    return waits / max(1, hgmma)
+
+
+@pytest.mark.skipif("90a" not in flash_ext.build_info(), reason="this build has no sm_90a kernels")
+@pytest.mark.parametrize("kernel", ["fwd_kernel", "bwd_kernel"])
+def test_sm90_kernels_keep_wgmma_async(kernel):
+    """No Hopper kernel runs its wgmmas one at a time (a register-pressure fallback of ptxas that
+    cost a d = 64 backward draft its pipelining without a spill or an error)."""
+    exe = _find_cuobjdump()
+    if exe is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    so = _extension_path()
+    assert so, "flash_ext/_C*.so not found next to the package"
+    funcs = _sass_by_function(so, exe)
+    sm90 = {n: body for n, body in funcs.items() if f"sm90{len(kernel)}{kernel}" in n}
+    checked = 0
+    for name, body in sm90.items():
+        if not any("HGMMA" in line for line in body):
+            continue  # an empty sm_80 stub
+        share = _serialized_hgmma_share(body)
+        assert share < 0.5, f"{name}: {share:.2f} full wgmma waits per HGMMA (serialized wgmma, ptxas C7512)"
+        checked += 1
+    assert checked, f"no sm90 {kernel} with HGMMA in the extension's SASS"
