@@ -49,16 +49,21 @@ def _sass_by_function(so_path, exe):
     return funcs
 
 
-@pytest.mark.skipif("90a" not in flash_ext.build_info(), reason="this build has no sm_90a kernels")
-@pytest.mark.parametrize("kernel", ["fwd_kernel", "bwd_kernel"])
-def test_sm90_kernels_use_hgmma(kernel):
+def _sm90_sass(kernel):
+    """SASS by function of the extension's sm90 `kernel` instantiations (skips without cuobjdump)."""
     exe = _find_cuobjdump()
     if exe is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     so = _extension_path()
     assert so, "flash_ext/_C*.so not found next to the package"
     funcs = _sass_by_function(so, exe)
-    sm90 = {n: body for n, body in funcs.items() if f"sm90{len(kernel)}{kernel}" in n}
+    return {n: body for n, body in funcs.items() if f"sm90{len(kernel)}{kernel}" in n}
+
+
+@pytest.mark.skipif("90a" not in flash_ext.build_info(), reason="this build has no sm_90a kernels")
+@pytest.mark.parametrize("kernel", ["fwd_kernel", "bwd_kernel"])
+def test_sm90_kernels_use_hgmma(kernel):
+    sm90 = _sm90_sass(kernel)
     assert sm90, f"no sm90 {kernel} in the extension's SASS"
     for name, body in sm90.items():
         text = "\n".join(body)
@@ -83,13 +88,7 @@ def _serialized_hgmma_share(body):
 def test_sm90_kernels_keep_wgmma_async(kernel):
     """No Hopper kernel runs its wgmmas one at a time (a register-pressure fallback of ptxas that
     cost a d = 64 backward draft its pipelining without a spill or an error)."""
-    exe = _find_cuobjdump()
-    if exe is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    so = _extension_path()
-    assert so, "flash_ext/_C*.so not found next to the package"
-    funcs = _sass_by_function(so, exe)
-    sm90 = {n: body for n, body in funcs.items() if f"sm90{len(kernel)}{kernel}" in n}
+    sm90 = _sm90_sass(kernel)
     checked = 0
     for name, body in sm90.items():
         if not any("HGMMA" in line for line in body):
