@@ -132,7 +132,8 @@ struct BwdParams : FwdParams {
   // zero-initialized by the caller. Atomic mode (dq_split_stride == 0): every key block adds its
   // contribution with fp32 atomics. Deterministic mode: key block n writes its contribution with
   // plain stores into slice n (at dq_accum + n * dq_split_stride); the caller sums the slices.
-  // Already multiplied by softmax_scale.
+  // sm80: already multiplied by softmax_scale (the Hopper kernels' tiles are not: their dQ convert
+  // kernel multiplies).
   float* __restrict__ dq_accum;
   int64_t dqa_batch_stride, dqa_row_stride, dqa_head_stride;
   int64_t dq_split_stride;
@@ -174,6 +175,10 @@ struct BwdParams : FwdParams {
   // many (head, batch) units (sm90/bwd_tile_order.h; tuning/heuristics.h
   // choose_sm90_bwd_lpt_section), 0 the 3-D grid. After `variant`: no field moves.
   int sm90_lpt_section;
+  // Hopper backward, deterministic: one zeroed int per 64 padded query rows of each (batch, head),
+  // counting the key blocks that have added to the query block's dq_accum tile
+  // (sm90/bwd_dq_order.h); nullptr otherwise. Last: no field moves.
+  int* __restrict__ dq_semaphore;
 };
 
 }  // namespace flash_ext
