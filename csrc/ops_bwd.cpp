@@ -103,11 +103,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   int64_t dqa_numel = 1;
   for (const int64_t n : dqa_shape) dqa_numel *= n;
   const int64_t dsum_at = part(dqa_numel), lse_log2_at = dsum_at + part(rows);
-  const at::Tensor work = at::empty({lse_log2_at + (sm90 ? rows : 0)}, f32);
+  // Hopper, deterministic: after them, one int per 64 padded query rows (BwdParams::dq_semaphore),
+  // zeroed here.
+  const int64_t sem_at = lse_log2_at + part(sm90 ? rows : 0), sems = sm90 && deterministic ? rows / 64 : 0;
+  const at::Tensor work = at::empty({sem_at + sems}, f32);
   float* const work_ptr = work.data_ptr<float>();
   p.dq_accum = work_ptr;
   p.dsum = work_ptr + dsum_at;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+  if (sems > 0) {
+    p.dq_semaphore = reinterpret_cast<int*>(work_ptr + sem_at);
+    C10_CUDA_CHECK(cudaMemsetAsync(p.dq_semaphore, 0, size_t(sems) * sizeof(int), stream));
+  }
 
   // FlashMask: the key-block summaries for the block size of the kernel that runs (the Hopper
   // backward's kBlockN, sm90/bwd_launch.cuh; or the sm80 backward's tile, as its launcher picks it:
@@ -144,8 +151,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   // the Hopper kernel loops over the group (tuning/heuristics.h choose_sm90_bwd_gqa_loop) and
   // writes (.., heads_kv, d) directly. Expanded, both live in one buffer (dK then dV), so that one
   // reduction sums both.
-  p.sm90_gqa_loop = sm90 && choose_sm90_bwd_gqa_loop(p, kernel.kernel_head_dim, dev, overrides);
-  p.sm90_lpt_section = sm90 ? choose_sm90_bwd_lpt_section(p, kernel.kernel_head_dim, p.sm90_gqa_loop, dev, overrides) : 0;
+  // Deterministic Hopper calls: the expand schedule on the 3-D grid (sm90/bwd_dq_order.h).
+  p.sm90_gqa_loop = sm90 && !deterministic && choose_sm90_bwd_gqa_loop(p, kernel.kernel_head_dim, dev, overrides);
+  p.sm90_lpt_section = sm90 && !deterministic ? choose_sm90_bwd_lpt_section(p, kernel.kernel_head_dim, p.sm90_gqa_loop, dev, overrides) : 0;
   const bool expand = s.heads_q != s.heads_kv && !p.sm90_gqa_loop;
   std::vector<int64_t> kv_shape(k.sizes().begin(), k.sizes().end());
   if (expand) kv_shape[kv_shape.size() - 2] = s.heads_q;

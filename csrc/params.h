@@ -175,6 +175,10 @@ struct BwdParams : FwdParams {
   // many (head, batch) units (sm90/bwd_tile_order.h; tuning/heuristics.h
   // choose_sm90_bwd_lpt_section), 0 the 3-D grid. After `variant`: no field moves.
   int sm90_lpt_section;
+  // Hopper backward, deterministic: one zeroed int per 64 padded query rows of each (batch, head),
+  // counting the key blocks that have added to the query block's dq_accum tile
+  // (sm90/bwd_dq_order.h); nullptr otherwise. Last: no field moves.
+  int* __restrict__ dq_semaphore;
 };
 
 }  // namespace flash_ext

@@ -153,12 +153,39 @@ def test_sm90_agrees_with_sm80(dtype, d, kw, tuning):
 
 
 @requires_sm90
-@pytest.mark.parametrize("case", ["d=192", "deterministic", "dropout"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(16, 0)), dict(window=(-1, 8)),
+                                dict(window=(100, 30)), dict(softcap=5.0, causal=True)], ids=str)
+@pytest.mark.parametrize("sq,sk,hq,hkv", [(300, 300, 2, 2), (113, 530, 4, 2), (530, 113, 2, 1), (1025, 1025, 2, 2)])
+def test_sm90_deterministic(dtype, d, kw, sq, sk, hq, hkv):
+    """deterministic=True on the Hopper backward (dQ added in descending key-block order,
+    sm90/bwd_dq_order.h): against the reference, GQA / MQA through the expand schedule."""
+    run_case(1, sq, sk, hq, hkv, d, dtype, f"sm90 deterministic d={d} {sq}x{sk} {hq}/{hkv} {kw}",
+             deterministic=True, **kw)
+
+
+@requires_sm90
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(300, 0)), dict(window=(-1, 200))], ids=str)
+def test_sm90_deterministic_is_bitwise(kw):
+    """Repeated deterministic backwards give the same bits: 1024 CTAs (more than an H100 holds at
+    once, so CTAs wait for CTAs launched before them) of up to 64 query blocks each, whose fp32 dQ
+    sums would otherwise land in a different order on every run."""
+    dt = built_dtype()
+    q, k, v, dout = (torch.randn(4, 4096, 8, 128, device="cuda", dtype=dt) for _ in range(4))
+    runs = [flash_fwd_bwd(q, k, v, dout, deterministic=True, **kw)[2:] for _ in range(3)]
+    for other in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs {kw}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", ["d=192", "dropout"])
 def test_sm90_refuses_unsupported(case):
     """Forcing the Hopper backward where it does not apply is a clear error, not a crash."""
     d = 192 if case == "d=192" else 64
     q = torch.randn(1, 64, 2, d, device="cuda", dtype=built_dtype())
-    kw = dict(deterministic=True) if case == "deterministic" else {}
+    kw = {}
     if case == "dropout":
         import flash_ext
         out, lse, rng = flash_ext.attn_fwd(q, q, q, dropout_p=0.1)

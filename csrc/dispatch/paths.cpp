@@ -116,8 +116,9 @@ KernelChoice choose_bwd_kernel(const BwdParams& p, const DeviceInfo& dev, const 
   const bool dout_strides = p.do_row_stride > 0 && (p.heads_q == 1 || p.do_head_stride > 0) &&
                             (varlen || p.batch == 1 || p.do_batch_stride > 0);
   // Varlen runs too (the kernels' kVarlen instantiations); tma_compatible excludes seqused_k.
+  // Deterministic: fixed length without FlashMask (sm90/bwd_dq_order.h).
   const bool sm90_ok = dev.major == 9 && sm90_kd != 0 && dtype_built(p.is_bf16) &&
-                       !p.deterministic && !(p.dropout_p > 0.f) && tma_compatible(p) && dout_strides &&
+                       !(p.deterministic && (varlen || p.has_flashmask)) && !(p.dropout_p > 0.f) && tma_compatible(p) && dout_strides &&
                        p.alibi_slopes == nullptr && (!p.has_flashmask || flashmask_on_sm90_bwd(sm90_kd));
   const KernelPath path = resolve(o.bwd_path, sm90_ok);
   if (path == KernelPath::kSm90) {
@@ -125,8 +126,8 @@ KernelChoice choose_bwd_kernel(const BwdParams& p, const DeviceInfo& dev, const 
     if (!sm90_ok) {
       raise_error("flash_ext: FLASH_EXT_BWD_PATH=sm90 needs an sm90 GPU, a build with 90a in FLASH_EXT_ARCHS "
                   "covering head dim " + std::to_string(p.head_dim) +
-                  " (the Hopper backward has head dims <= 128 and 193-256), deterministic=False, "
-                  "dropout_p = 0 and no ALiBi" + kBuildInfo);
+                  " (the Hopper backward has head dims <= 128 and 193-256), deterministic=False for varlen "
+                  "or FlashMask calls, dropout_p = 0 and no ALiBi" + kBuildInfo);
     }
     return {path, sm90_kd};
   }

@@ -33,6 +33,8 @@
 #include "common/mask.h"
 #include "common/seqlen.h"
 #include "common/softmax.h"
+#include "sm90/bwd_args.h"
+#include "sm90/bwd_dq_order.h"
 #include "sm90/bwd_flashmask.h"
 #include "sm90/bwd_kernel_traits.h"
 #include "sm90/bwd_pre_post_kernels.cuh"
@@ -42,28 +44,6 @@
 namespace flash_ext::sm90 {
 
 using namespace cute;
-
-template <typename Traits>
-struct BwdArgs {
-  using Element = typename Traits::Element;
-  using TensorShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, heads, batch)
-  using TensorStride = cute::Stride<int64_t, _1, int64_t, int64_t>;
-  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                       TensorShape{}, TensorStride{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(typename Traits::SmemLayoutQ{}),
-                                      Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, typename Traits::SmemLayoutK{},
-                                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
-  BwdParams p;
-  TmaQ tma_q, tma_do;
-  TmaK tma_k, tma_v;
-  TensorShape shape_q, shape_k;
-  // Padded (batch, heads_q, seqlen_q_padded) rows written by bwd_preprocess_kernel; varlen
-  // (heads_q, seqlen_q_padded), a sequence's rows from varlen_padded_row0.
-  const float* lse_log2;
-  const float* dsum;
-  int seqlen_q_padded;
-};
 
 // kGroupLoop: blockIdx.y is a KV head and the CTA walks its group's query heads (dK, dV go to the
 // (.., heads_kv, d) outputs); else blockIdx.y is a query head (for GQA, dK and dV go to expanded
@@ -75,7 +55,9 @@ struct BwdArgs {
 // kFlashMask (with kHasWindow): the kernel can run FlashMask (p.has_flashmask decides at run time);
 // fixed-length FlashMask calls have an instantiation of their own, so that the causal / local
 // kernels compile without its code; the varlen windowed kernel keeps both (docs/perf-notes.md).
-template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask>
+// kDeterministic (fixed length, no FlashMask, no group loop): key blocks in descending order add
+// their dQ to a tile one at a time (sm90/bwd_dq_order.h).
+template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask, bool kDeterministic = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs<Traits> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Traits::Element;
@@ -97,12 +79,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     n_block = blockIdx.x, head_y = blockIdx.y, batch = blockIdx.z;
   } else {
     bwd_tile_of_cta<kFlashMask>(p, (p.seqlen_k + kBlockN - 1) / kBlockN, kGroupLoop ? p.heads_kv : p.heads_q, n_block, head_y, batch);
+    if constexpr (kDeterministic) n_block = (p.seqlen_k + kBlockN - 1) / kBlockN - 1 - n_block;  // 3-D grid, descending
   }
   // Query heads [head0, head0 + group) in turn; one (head0 = blockIdx.y) without kGroupLoop.
   const int group = kGroupLoop ? p.heads_q / p.heads_kv : 1;
   const int head0 = kGroupLoop ? head_y * group : head_y;
   const int warp_group = threadIdx.x / 128;  // 0: producer
   static_assert(!(kVarlen && kGroupLoop), "varlen runs the expand schedule only");
+  static_assert(!kDeterministic || !(kVarlen || kGroupLoop || kFlashMask), "deterministic: fixed length, expand, no FlashMask");
   // Varlen: a sequence's length, loaded where it is used rather than held across the loop (spills).
   auto seq_len = [&](const int* cu) { return cu[batch + 1] - cu[batch]; };
   const int q_start = kVarlen ? p.cu_seqlens_q[batch] : 0;
@@ -255,6 +239,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   // With softcap, tanh(S * scale / cap) is recovered from P: S' = ln(P) + lse (see sm80 bwd).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
   float* dq_base = p.dq_accum + padded_row0() * kHeadDim;
+  int* dq_sem = kDeterministic ? p.dq_semaphore + padded_row0() / 64 : nullptr;  // one per 64 padded rows
   // The next step: the next visible query block, or with kGroupLoop past the last one the first
   // of the next query head (the producer's order).
   int g = 0;
@@ -410,7 +395,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       ++read;
 
+      if constexpr (kDeterministic) {
+        const int before = dq_order_predecessors<kBlockM, kBlockN, kHasWindow>(
+            m_block, n_block, (seqlen_k + kBlockN - 1) / kBlockN, seqlen_q, seqlen_k, p.window_right);
+        dq_order_wait<Traits::kMmaThreads>(dq_sem + m_block, before, mma_tid);
+      }
       dq_accum_add<Traits>(dq_base + int64_t(m_block) * kBlockM * kHeadDim, acc_dq, mma_tid);
+      if constexpr (kDeterministic) dq_order_done<Traits::kMmaThreads>(dq_sem + m_block, mma_tid);
     }
     if constexpr (kDkAcrossSteps) {
       warpgroup_wait<0>();  // the last step's dK

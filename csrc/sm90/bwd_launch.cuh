@@ -15,7 +15,7 @@ namespace flash_ext {
 
 namespace sm90 {
 
-template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask>
+template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask, bool kDeterministic = false>
 void launch_bwd(BwdParams& p, cudaStream_t stream) {
   using Args = BwdArgs<Traits>;
   using Element = typename Traits::Element;
@@ -55,7 +55,10 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, args.shape_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                              typename Traits::SmemLayoutK{}, k_box, _1{});
 
-  auto kernel = &bwd_kernel<Traits, kHasWindow, kGroupLoop, kVarlen, kFlashMask>;
+  if (kDeterministic && (p.dq_semaphore == nullptr || p.sm90_lpt_section > 0 || p.sm90_gqa_loop)) {
+    raise_error("flash_ext: internal: deterministic Hopper backward needs its counters, the 3-D grid and the expand schedule");
+  }
+  auto kernel = &bwd_kernel<Traits, kHasWindow, kGroupLoop, kVarlen, kFlashMask, kDeterministic>;
   constexpr int smem = Traits::kSmemBytes;
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   // Key blocks in blockIdx.x order: under a causal mask block 0 has the most query blocks, so
@@ -123,7 +126,10 @@ void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
   if (p.seqlen_k > 0) {
     // The group loop only for GQA/MQA (with one query head per KV head it is the other kernel).
     const bool loop = p.sm90_gqa_loop && p.heads_q != p.heads_kv;
-    if (p.has_flashmask) {
+    if (p.deterministic) {  // expand schedule, 3-D grid (choose_bwd_kernel, ops_bwd.cpp)
+      p.has_window ? sm90::launch_bwd<Traits, true, false, false, false, true>(p, stream)
+                   : sm90::launch_bwd<Traits, false, false, false, false, true>(p, stream);
+    } else if (p.has_flashmask) {
       loop ? sm90::launch_bwd<Traits, true, true, false, true>(p, stream)
            : sm90::launch_bwd<Traits, true, false, false, true>(p, stream);
     } else if (p.has_window) {
