@@ -68,25 +68,23 @@ FLASH_EXT_HD int64_t fm_blk0(const FlashMaskView& v, const int* cu_seqlens_k, in
                                  : int64_t(batch) * v.blocks_per_batch;
 }
 
+// The skip test alone (the summary's skip half: x = ls_max, y = le_min, z = us_max, w = ue_min):
+// the lower-triangle interval covers the rows, or the upper one does, or the upper then the lower
+// one, touching. The forward's range ends need no more.
+FLASH_EXT_HD bool fm_skips(int4 skip, int r0, int r1) {
+  return (skip.x <= r0 && skip.y >= r1) || (skip.z <= r0 && skip.w >= r1) ||
+         (skip.z <= r0 && skip.x <= skip.w && skip.y >= r1);
+}
+
 // Class of the pair (query rows [r0, r1), a key block with summary halves `skip` / `full`) by the
 // intervals alone (the caller adds causal and the seqlen_k edge). Sufficient tests, conservative
 // towards kFmPartial: "skip" implies every entry is masked, "full" that none is.
 FLASH_EXT_HD int fm_classify(int4 skip, int4 full, int r0, int r1) {
-  // skip: x = ls_max, y = le_min, z = us_max, w = ue_min
-  const bool lt_covers = skip.x <= r0 && skip.y >= r1;
-  const bool ut_covers = skip.z <= r0 && skip.w >= r1;
-  const bool both_cover = skip.z <= r0 && skip.x <= skip.w && skip.y >= r1;  // UT then LT, touching
-  if (lt_covers || ut_covers || both_cover) return kFmSkip;
+  if (fm_skips(skip, r0, r1)) return kFmSkip;
   // full: x = ls_min, y = le_max, z = us_min, w = ue_max
   const bool lt_clear = full.x >= r1 || full.y <= r0;
   const bool ut_clear = full.z >= r1 || full.w <= r0;
   return lt_clear && ut_clear ? kFmFull : kFmPartial;
-}
-
-// fm_classify's skip test alone (the summary's skip half): the forward's range ends need no more.
-FLASH_EXT_HD bool fm_skips(int4 skip, int r0, int r1) {
-  return (skip.x <= r0 && skip.y >= r1) || (skip.z <= r0 && skip.w >= r1) ||
-         (skip.z <= r0 && skip.x <= skip.w && skip.y >= r1);
 }
 
 // True when row `row` of the column whose normalized bounds are `b` is masked.
