@@ -5,6 +5,7 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 
 #include "params.h"
+#include "sm90/tma_gmem.h"
 
 namespace flash_ext::sm90 {
 
@@ -13,10 +14,8 @@ using namespace cute;
 template <typename Traits>
 struct BwdArgs {
   using Element = typename Traits::Element;
-  using TensorShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, heads, batch)
-  using TensorStride = cute::Stride<int64_t, _1, int64_t, int64_t>;
-  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                       TensorShape{}, TensorStride{}));
+  using TensorShape = TmaTensorShape;  // (rows, d, heads, batch)
+  using GTensor = TmaGTensor<Element const>;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(typename Traits::SmemLayoutQ{}),
                                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}));
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, typename Traits::SmemLayoutK{},

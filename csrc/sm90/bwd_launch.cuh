@@ -39,9 +39,8 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   // Varlen: the packed tensors as one batch of total rows (a CTA moves to its sequence's rows).
   args.shape_q = make_shape(kVarlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads_q, kVarlen ? 1 : p.batch);
   args.shape_k = make_shape(kVarlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, kVarlen ? 1 : p.batch);
-  auto gtensor = [&](const void* ptr, auto shape, int64_t row, int64_t head, int64_t batch) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
-                       make_stride(row, _1{}, head, kVarlen ? int64_t(0) : batch));
+  auto gtensor = [&](const void* ptr, TmaTensorShape shape, int64_t row, int64_t head, int64_t batch) {
+    return tma_gtensor(static_cast<Element const*>(ptr), shape, row, head, kVarlen ? int64_t(0) : batch);
   };
   auto q_box = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{};
   auto k_box = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{};

@@ -5,6 +5,7 @@
 
 #include "common/seqlen.h"
 #include "params.h"
+#include "sm90/tma_gmem.h"
 
 namespace flash_ext::sm90 {
 
@@ -15,12 +16,9 @@ using namespace cute;
 template <typename Traits>
 struct FwdArgs {
   using Element = typename Traits::Element;
-  using TensorShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, heads, batch)
-  using TensorStride = cute::Stride<int64_t, _1, int64_t, int64_t>;
-  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                       TensorShape{}, TensorStride{}));
-  using GTensorO = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
-                                        TensorShape{}, TensorStride{}));
+  using TensorShape = TmaTensorShape;  // (rows, d, heads, batch)
+  using GTensor = TmaGTensor<Element const>;
+  using GTensorO = TmaGTensor<Element>;
   // One consumer warpgroup's 64 rows of Q per load (SmemLayoutQSlab).
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, typename Traits::SmemLayoutQSlab{},
                                       Shape<_64, Int<Traits::kHeadDim>>{}, _1{}));

@@ -38,9 +38,8 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
   // Varlen tensors are one packed "batch"; a CTA offsets its TMA coordinates by cu_seqlens.
   args.shape_q = make_shape(varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads_q, varlen ? 1 : p.batch);
   args.shape_k = make_shape(varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, varlen ? 1 : p.batch);
-  auto gtensor = [&](const void* ptr, auto shape, int64_t row, int64_t head, int64_t batch) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
-                       make_stride(row, _1{}, head, varlen ? int64_t(0) : batch));
+  auto gtensor = [&](const void* ptr, TmaTensorShape shape, int64_t row, int64_t head, int64_t batch) {
+    return tma_gtensor(static_cast<Element const*>(ptr), shape, row, head, varlen ? int64_t(0) : batch);
   };
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.q, args.shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride),
                              typename Traits::SmemLayoutQSlab{}, Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
@@ -54,8 +53,7 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
     // O through shared memory and a TMA store (staged in its own buffer, or at d = 256 in Q's:
     // kernel_traits.h). Built on O's real shape (q's): the store clips rows >= seqlen_q and
     // columns >= head_dim.
-    auto g_o = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), args.shape_q,
-                           make_stride(p.o_row_stride, _1{}, p.o_head_stride, p.o_batch_stride));
+    auto g_o = tma_gtensor(static_cast<Element*>(p.o), args.shape_q, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
     args.tma_o = make_tma_copy(SM90_TMA_STORE{}, g_o, typename Traits::SmemLayoutOStage{},
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
