@@ -39,6 +39,7 @@
 #include "sm90/bwd_kernel_traits.h"
 #include "sm90/bwd_pre_post_kernels.cuh"
 #include "sm90/bwd_tile_order.h"
+#include "sm90/pdl.h"
 #include "sm90/warpgroup.h"
 
 namespace flash_ext::sm90 {
@@ -112,6 +113,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   m_min = fm.next_visible(m_min, m_max);  // none visible: the empty range, dK = dV = 0
 
   if (threadIdx.x == 0) {
+    pdl_launch_dependents();  // the dQ convert kernel may be scheduled once every CTA has started
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
@@ -173,6 +175,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     Barrier::arrive_and_expect_tx(&ss.barrier_kv, Traits::kTmaBytesKV);
     copy(args.tma_k.with(ss.barrier_kv), tKgK, tKsK);
     copy(args.tma_v.with(ss.barrier_kv), tVgV, tVsV);
+    pdl_wait();  // lse_log2 and D come from the preprocess kernel
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
     for (int g = 0; g < group; ++g) {  // one pass without kGroupLoop
       if constexpr (kGroupLoop) {
@@ -204,6 +207,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  pdl_wait();  // the preprocess kernel zeroes dq_accum
   const int mma_tid = threadIdx.x - 128;
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmaDKV mma_dkv;

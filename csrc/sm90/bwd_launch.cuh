@@ -9,14 +9,17 @@
 #include "dispatch/bwd_dispatch.h"
 #include "error.h"
 #include "sm90/bwd_kernel.cuh"
+#include "sm90/pdl.h"
 #include "sm90/tensor_map_encode.h"
 
 namespace flash_ext {
 
 namespace sm90 {
 
+// after_preprocess: the preprocess kernel was launched just before, and this launch may overlap its
+// last wave (sm90/pdl.h).
 template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask, bool kDeterministic = false>
-void launch_bwd(BwdParams& p, cudaStream_t stream) {
+void launch_bwd(BwdParams& p, cudaStream_t stream, bool after_preprocess) {
   using Args = BwdArgs<Traits>;
   using Element = typename Traits::Element;
   static_assert(kBwdSm90PadRows % Traits::kBlockM == 0);
@@ -67,7 +70,11 @@ void launch_bwd(BwdParams& p, cudaStream_t stream) {
   const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, heads_y = kGroupLoop ? p.heads_kv : p.heads_q;
   const bool lpt = !kVarlen && p.sm90_lpt_section > 0;
   const dim3 grid = lpt ? dim3(unsigned(n_blocks) * heads_y * p.batch) : dim3(n_blocks, heads_y, p.batch);
-  kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
+  if (after_preprocess) {
+    launch_with_pdl(kernel, grid, dim3(Traits::kThreads), smem, stream, args);
+  } else {
+    kernel<<<grid, Traits::kThreads, smem, stream>>>(args);
+  }
 }
 
 // Varlen (cu_seqlens): the three kernels' kVarlen instantiations, with the expand schedule only
@@ -92,11 +99,13 @@ void run_bwd_varlen(BwdParams& p, cudaStream_t stream) {
   }
   if (p.seqlen_k > 0) {
     // The windowed varlen kernel runs FlashMask calls too (sm90/bwd_kernel.cuh: kFlashMask).
-    p.has_window ? launch_bwd<Traits, true, false, true, true>(p, stream) : launch_bwd<Traits, false, false, true, false>(p, stream);
+    const bool pdl = p.seqlen_q > 0;
+    p.has_window ? launch_bwd<Traits, true, false, true, true>(p, stream, pdl)
+                 : launch_bwd<Traits, false, false, true, false>(p, stream, pdl);
   }
   // One column more than the longest sequence's query blocks: it zeroes dq's rows outside every sequence.
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM + 1, p.heads_q, p.batch);
-  bwd_dq_convert_kernel<Traits, true><<<grid, Traits::kMmaThreads, 0, stream>>>(p);
+  launch_with_pdl(&bwd_dq_convert_kernel<Traits, true>, grid, dim3(Traits::kMmaThreads), 0, stream, p);
 }
 
 }  // namespace sm90
@@ -126,21 +135,21 @@ void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     // The group loop only for GQA/MQA (with one query head per KV head it is the other kernel).
     const bool loop = p.sm90_gqa_loop && p.heads_q != p.heads_kv;
     if (p.deterministic) {  // expand schedule, 3-D grid (choose_bwd_kernel, ops_bwd.cpp)
-      p.has_window ? sm90::launch_bwd<Traits, true, false, false, false, true>(p, stream)
-                   : sm90::launch_bwd<Traits, false, false, false, false, true>(p, stream);
+      p.has_window ? sm90::launch_bwd<Traits, true, false, false, false, true>(p, stream, true)
+                   : sm90::launch_bwd<Traits, false, false, false, false, true>(p, stream, true);
     } else if (p.has_flashmask) {
-      loop ? sm90::launch_bwd<Traits, true, true, false, true>(p, stream)
-           : sm90::launch_bwd<Traits, true, false, false, true>(p, stream);
+      loop ? sm90::launch_bwd<Traits, true, true, false, true>(p, stream, true)
+           : sm90::launch_bwd<Traits, true, false, false, true>(p, stream, true);
     } else if (p.has_window) {
-      loop ? sm90::launch_bwd<Traits, true, true, false, false>(p, stream)
-           : sm90::launch_bwd<Traits, true, false, false, false>(p, stream);
+      loop ? sm90::launch_bwd<Traits, true, true, false, false>(p, stream, true)
+           : sm90::launch_bwd<Traits, true, false, false, false>(p, stream, true);
     } else {
-      loop ? sm90::launch_bwd<Traits, false, true, false, false>(p, stream)
-           : sm90::launch_bwd<Traits, false, false, false, false>(p, stream);
+      loop ? sm90::launch_bwd<Traits, false, true, false, false>(p, stream, true)
+           : sm90::launch_bwd<Traits, false, false, false, false>(p, stream, true);
     }
   }
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
-  sm90::bwd_dq_convert_kernel<Traits, false><<<grid, Traits::kMmaThreads, 0, stream>>>(p);
+  sm90::launch_with_pdl(&sm90::bwd_dq_convert_kernel<Traits, false>, grid, dim3(Traits::kMmaThreads), 0, stream, p);
 }
 
 }  // namespace flash_ext

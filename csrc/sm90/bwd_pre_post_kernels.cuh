@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "params.h"
+#include "sm90/pdl.h"
 
 namespace flash_ext::sm90 {
 
@@ -65,6 +66,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_consta
   constexpr int kThreadsPerRow = kHeadDim / 8;
   static_assert(kThreadsPerRow <= 32 && 32 % kThreadsPerRow == 0, "a row's threads are lanes of one warp");
   constexpr int kRowsPerCta = 256 / kThreadsPerRow;
+  pdl_launch_dependents();  // the main kernel's launch and prologue overlap the last wave (sm90/pdl.h)
   const int head = blockIdx.y, batch = blockIdx.z;
   const int t = threadIdx.x % kThreadsPerRow;
   const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow;
@@ -150,6 +152,7 @@ __global__ void __launch_bounds__(Traits::kMmaThreads) bwd_dq_convert_kernel(con
   __shared__ alignas(16) Element tile[kBlockM * kCols];
   const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const int tid = threadIdx.x;
+  pdl_wait();  // launched while the main kernel's last CTAs run
   if constexpr (kVarlen) {
     if (m_block == int(gridDim.x) - 1) {  // the extra column
       zero_dq_outside_sequences<Element, Traits::kMmaThreads>(p, head, batch, int(gridDim.z));

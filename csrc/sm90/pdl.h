@@ -1,0 +1,47 @@
+// Programmatic dependent launch (PDL) between the Hopper backward's three kernels (preprocess ->
+// main -> dQ convert): a kernel launched by launch_with_pdl may be scheduled while the kernel
+// before it in the stream still runs, so its launch and prologue hide under that kernel's last
+// wave. Its threads call pdl_wait() before they touch what the kernel before wrote (or read);
+// that kernel calls pdl_launch_dependents() to let the next one in (otherwise it is let in as
+// its CTAs exit). A kernel launched without the attribute passes pdl_wait() at once.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace flash_ext::sm90 {
+
+// Waits until the grid this one depends on has completed and its writes are visible.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// This CTA no longer holds back the next PDL-launched kernel (it is scheduled once every CTA of
+// this grid has called this or exited; it still waits for this grid's completion in pdl_wait).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization allowed.
+// A launch error is left to the caller's launch check, as with <<<>>>.
+template <typename... KernelArgs, typename... Args>
+void launch_with_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                     Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace flash_ext::sm90
