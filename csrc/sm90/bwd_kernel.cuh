@@ -146,7 +146,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
-    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    // The order warp's loop does not fit the producer's 24 registers (ptxas spilled in both roles);
+    // 32 x 128 + 240 x 256 is still the SM's 64K.
+    constexpr int kProducerRegs = kDeterministic ? 32 : Traits::kProducerRegs;
+    static_assert(kProducerRegs * 128 + Traits::kConsumerRegs * Traits::kMmaThreads <= 65536, "register file");
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if constexpr (kDeterministic) {
+      // The key block and its query range again, from the 3-D grid (the launch refuses the other
+      // orders) and the parameters: held live from before the split into both roles they spilled
+      // (ptxas), with the order warp's loop in the producer's registers.
+      n_block = (p.seqlen_k + kBlockN - 1) / kBlockN - 1 - int(blockIdx.x);
+      BlockMask<kBlockM, kBlockN, kHasWindow>(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
+          .query_block_range(n_block, m_min, m_max);
+      if (threadIdx.x / 32 == 1) {
+        dq_order_warp<kBlockM, kBlockN, kHasWindow, Traits::kMmaThreads>(
+            p.dq_semaphore + (int64_t(blockIdx.z) * p.heads_q + blockIdx.y) * args.seqlen_q_padded / 64, m_min, m_max,
+            n_block, (p.seqlen_k + kBlockN - 1) / kBlockN, p.seqlen_q, p.seqlen_k, p.window_right);
+        return;
+      }
+    }
     if (threadIdx.x != 0 || m_min >= m_max) return;
     const int head_kv = kGroupLoop ? head_y : head0 / (p.heads_q / p.heads_kv);
     // (rows, d) of a head of the batch; varlen: of the packed tensors, from the sequence's first
@@ -243,7 +261,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   // With softcap, tanh(S * scale / cap) is recovered from P: S' = ln(P) + lse (see sm80 bwd).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
   float* dq_base = p.dq_accum + padded_row0() * kHeadDim;
-  int* dq_sem = kDeterministic ? p.dq_semaphore + padded_row0() / 64 : nullptr;  // one per 64 padded rows
   // The next step: the next visible query block, or with kGroupLoop past the last one the first
   // of the next query head (the producer's order).
   int g = 0;
@@ -399,13 +416,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       ++read;
 
-      if constexpr (kDeterministic) {
-        const int before = dq_order_predecessors<kBlockM, kBlockN, kHasWindow>(
-            m_block, n_block, (seqlen_k + kBlockN - 1) / kBlockN, seqlen_q, seqlen_k, p.window_right);
-        dq_order_wait<Traits::kMmaThreads>(dq_sem + m_block, before, mma_tid);
-      }
+      if constexpr (kDeterministic) dq_order_wait_turn<Traits::kMmaThreads>();
       dq_accum_add<Traits>(dq_base + int64_t(m_block) * kBlockM * kHeadDim, acc_dq, mma_tid);
-      if constexpr (kDeterministic) dq_order_done<Traits::kMmaThreads>(dq_sem + m_block, mma_tid);
+      if constexpr (kDeterministic) dq_order_added<Traits::kMmaThreads>();
     }
     if constexpr (kDkAcrossSteps) {
       warpgroup_wait<0>();  // the last step's dK
