@@ -49,15 +49,11 @@ __device__ __forceinline__ int dq_order_predecessors(int m_block, int n_block, i
 template <int kBlockM, int kBlockN, bool kHasWindow, int kMmaThreads>
 __device__ __forceinline__ void dq_order_warp(int* sem, int m_first, int m_end, int n_block, int n_blocks, int seqlen_q,
                                               int seqlen_k, int window_right) {
-  // dq_order_predecessors with the loop's invariants taken out (few registers: the producer's):
-  // min(cap, ((m + 1) kBlockM + off) / kBlockN), the quotient >= 0 for every visible m.
-  const int cap = n_blocks - 1 - n_block;
-  const bool windowed = kHasWindow && window_right >= 0;
-  const int off = seqlen_k - seqlen_q + window_right - 1 - n_block * kBlockN;
   const bool leader = threadIdx.x % 32 == 0;
   for (int m_block = m_first; m_block < m_end; ++m_block) {
     if (leader) {
-      const int before = windowed ? min(cap, ((m_block + 1) * kBlockM + off) / kBlockN) : cap;
+      const int before = dq_order_predecessors<kBlockM, kBlockN, kHasWindow>(m_block, n_block, n_blocks, seqlen_q,
+                                                                             seqlen_k, window_right);
       int seen;
       do {
         asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem + m_block) : "memory");
