@@ -146,19 +146,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
-    // The order warp's loop does not fit the producer's 24 registers (ptxas spilled in both roles);
-    // 32 x 128 + 240 x 256 is still the SM's 64K.
-    constexpr int kProducerRegs = kDeterministic ? 32 : Traits::kProducerRegs;
-    static_assert(kProducerRegs * 128 + Traits::kConsumerRegs * Traits::kMmaThreads <= 65536, "register file");
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if constexpr (kDeterministic) {
       // The key block and its query range again, from the 3-D grid (the launch refuses the other
-      // orders) and the parameters: held live from before the split into both roles they spilled
-      // (ptxas), with the order warp's loop in the producer's registers.
+      // orders) and the parameters: held live from before the split into both roles, ptxas
+      // spilled them (d 64, d 128) once the order warp's loop shared the producer's 24 registers.
       n_block = (p.seqlen_k + kBlockN - 1) / kBlockN - 1 - int(blockIdx.x);
       BlockMask<kBlockM, kBlockN, kHasWindow>(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
           .query_block_range(n_block, m_min, m_max);
-      if (threadIdx.x / 32 == 1) {
+      // The warp index made warp-uniform: with a plain compare ptxas spilled in the consumers (d 64).
+      if (__shfl_sync(0xffffffff, int(threadIdx.x) / 32, 0) == 1) {
         dq_order_warp<kBlockM, kBlockN, kHasWindow, Traits::kMmaThreads>(
             p.dq_semaphore + (int64_t(blockIdx.z) * p.heads_q + blockIdx.y) * args.seqlen_q_padded / 64, m_min, m_max,
             n_block, (p.seqlen_k + kBlockN - 1) / kBlockN, p.seqlen_q, p.seqlen_k, p.window_right);
