@@ -45,7 +45,7 @@ __device__ __forceinline__ int dq_order_predecessors(int m_block, int n_block, i
 // warp lets the consumers reduce, waits until they have issued their reductions, and lane 0 counts
 // the CTA in (the fence orders the consumers' reductions, joined by the barrier, before the add).
 // The poll and the fence run here, beside the consumers' GEMMs, and not on their path: with both
-// on consumer thread 0 they cost +25-47% per call (docs/perf-notes.md, Session 30).
+// on consumer thread 0 they cost +25-47% per call (measured: docs/perf-notes.md).
 template <int kBlockM, int kBlockN, bool kHasWindow, int kMmaThreads>
 __device__ __forceinline__ void dq_order_warp(int* sem, int m_first, int m_end, int n_block, int n_blocks, int seqlen_q,
                                               int seqlen_k, int window_right) {
