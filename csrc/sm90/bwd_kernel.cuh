@@ -12,12 +12,8 @@
 //                            dS^T = P^T * (dP^T - D)   (the scale: on dK, dQ at the end)
 //                            dK += dS^T Q                                          (wgmma RS)
 //                            dQ_i += dS K (dS through shared memory, fp32 atomics) (wgmma SS)
-//                          dK and dV stay in registers until the end.
-//                          GQA/MQA (kGroupLoop): one CTA per (key block, KV head, batch) walks
-//                          the query blocks of every query head of its group in turn, so dK
-//                          and dV sum the whole group in fp32 and are written once per KV head.
-//                          kVarlen: packed (cu_seqlens) batches, one CTA per (key block of the
-//                          longest sequence, head, sequence); see "Varlen" in the doc.
+//                          dK and dV stay in registers until the end. GQA/MQA, varlen and
+//                          deterministic variants: the template parameters below.
 #pragma once
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -148,9 +144,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if constexpr (kDeterministic) {
-      // The key block and its query range again, from the 3-D grid (the launch refuses the other
-      // orders) and the parameters: held live from before the split into both roles, ptxas
-      // spilled them (d 64, d 128) once the order warp's loop shared the producer's 24 registers.
+      // The key block and its query range again, from the 3-D grid: held live across the role
+      // split, they spilled (d 64, d 128) in the order warp's share of the producer's 24 registers.
       n_block = (p.seqlen_k + kBlockN - 1) / kBlockN - 1 - int(blockIdx.x);
       BlockMask<kBlockM, kBlockN, kHasWindow>(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
           .query_block_range(n_block, m_min, m_max);
