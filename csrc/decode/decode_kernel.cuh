@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   };
 
   // K and V of key block n into ring slot n % kStages (decode/kv_block_loader.h); a paged cache's
-  // page numbers of block n are staged in page slot n % kPageSlots (n relative to the split's
+  // page chunks of block n are staged in page slot n % kPageSlots (n relative to the split's
   // first block) with the copies of block n - (kStages - 1).
   typename Traits::GmemTiledCopy gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
@@ -130,8 +130,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                                      reinterpret_cast<int*>(smem_raw + Traits::kSmemPagesOffsetBytes));
   auto load_stage = [&](int j) {  // block j of the split
     const int slot = j % kStages, page_slot = j % Traits::kPageSlots;
-    loader.load_rows(gmem_thr.partition_D(sK(slot)), k_base, p.k_batch_stride, p.k_row_stride, n_begin + j, page_slot);
-    loader.load_rows(gmem_thr.partition_D(sV(slot)), v_base, p.v_batch_stride, p.v_row_stride, n_begin + j, page_slot);
+    loader.load_block(gmem_thr.partition_D(sK(slot)), gmem_thr.partition_D(sV(slot)), k_base, v_base, n_begin + j,
+                      page_slot);
     const int ahead = j + kStages - 1;  // its pages go with this block's group
     if (ahead < n_count) loader.stage_pages(ahead % Traits::kPageSlots, n_begin + ahead, tid);
   };

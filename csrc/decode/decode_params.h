@@ -97,19 +97,20 @@ constexpr int kDecodeRingDepths[] = {kDecodeStagesShallow, kDecodeStagesMid, kDe
 constexpr int kDecodeMaxSplits = 128;
 constexpr int decode_block_n(int kd) { return kd > 128 ? 32 : 64; }
 
-// Paged caches: a key block spans at most block_n / 16 pages (pages are multiples of 16 keys, and
-// blocks start at multiples of block_n). Their numbers are staged in shared memory stages - 1
-// blocks ahead of the block's own loads (decode/kv_block_loader.h), in 2 * stages - 2 slots: the
-// ring's prologue stages the pages of blocks 0 .. 2 * stages - 3 before any is read.
+// Paged caches: a key block is block_n / 16 chunks of 16 keys, each on one page (pages are
+// multiples of 16 keys, and blocks start at multiples of block_n). Each chunk's page number and
+// first row on its page are staged in shared memory stages - 1 blocks ahead of the block's own
+// loads (decode/kv_block_loader.h), in 2 * stages - 2 slots: the ring's prologue stages the chunks
+// of blocks 0 .. 2 * stages - 3 before any is read.
 constexpr int decode_pages_per_block(int kd) { return decode_block_n(kd) / 16; }
 constexpr int decode_page_slots(int stages) { return 2 * stages - 2; }
 
 // Shared memory of the decode kernel of kernel head dim kd (2-byte elements) with a ring of
-// `stages` blocks: Q (16 x kd), the ring of K and V blocks and the page-number slots; checked
+// `stages` blocks: Q (16 x kd), the ring of K and V blocks and the page slots (two ints a chunk); checked
 // against the kernel's traits where it is compiled.
 constexpr int decode_smem_bytes(int kd, int stages) {
   return (kDecodeBlockM + stages * 2 * decode_block_n(kd)) * kd * 2 +
-         decode_page_slots(stages) * decode_pages_per_block(kd) * 4;
+         decode_page_slots(stages) * decode_pages_per_block(kd) * 8;
 }
 
 // The deepest compiled ring whose CTA fits `smem_optin_bytes` of shared memory (the shallow ring

@@ -25,7 +25,7 @@ struct DecodeTraits {
   // up to kd = 128, else 2; ring 3: 2; ring 4: 1).
   static constexpr int kMinBlocksPerSm =
       kStages == kDecodeStagesShallow ? (kHeadDim <= 128 ? 3 : 2) : (kStages == kDecodeStagesMid ? 2 : 1);
-  // Paged caches: page-number slots (decode/kv_block_loader.h) of kPagesPerBlock ints each.
+  // Paged caches: page slots (decode/kv_block_loader.h) of kPagesPerBlock 16-key chunks each.
   static constexpr int kPagesPerBlock = decode_pages_per_block(kHeadDim);
   static constexpr int kPageSlots = decode_page_slots(kStages);
   static_assert(kWarpKeys == 16, "one 16-key MMA tile per warp and block");
@@ -44,10 +44,10 @@ struct DecodeTraits {
                                             make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
   static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
   static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
-  // Q | ring of kStages x (K, V) | page-number slots; the end-of-loop merge reuses the ring (fp32
+  // Q | ring of kStages x (K, V) | page slots (numbers, first rows); the end-of-loop merge reuses the ring (fp32
   // O, max, sum per warp).
   static constexpr int kSmemPagesOffsetBytes = (kSmemQElems + kStages * 2 * kSmemKVElems) * int(sizeof(Element));
-  static constexpr int kSmemBytes = kSmemPagesOffsetBytes + kPageSlots * kPagesPerBlock * 4;
+  static constexpr int kSmemBytes = kSmemPagesOffsetBytes + kPageSlots * kPagesPerBlock * 8;  // page, first row
   static_assert(kWarps * kBlockM * (kHeadDim + 2) * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)));
   static_assert(kBlockM * kDecodeMaxSplits * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)),
                 "the split merge's weights fit the ring");

@@ -12,12 +12,8 @@
 //                            dS^T = P^T * (dP^T - D)   (the scale: on dK, dQ at the end)
 //                            dK += dS^T Q                                          (wgmma RS)
 //                            dQ_i += dS K (dS through shared memory, fp32 atomics) (wgmma SS)
-//                          dK and dV stay in registers until the end.
-//                          GQA/MQA (kGroupLoop): one CTA per (key block, KV head, batch) walks
-//                          the query blocks of every query head of its group in turn, so dK
-//                          and dV sum the whole group in fp32 and are written once per KV head.
-//                          kVarlen: packed (cu_seqlens) batches, one CTA per (key block of the
-//                          longest sequence, head, sequence); see "Varlen" in the doc.
+//                          dK and dV stay in registers until the end. GQA/MQA, varlen and
+//                          deterministic variants: the template parameters below.
 #pragma once
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -147,6 +143,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if constexpr (kDeterministic) {
+      // The key block and its query range again, from the 3-D grid: held live across the role
+      // split, they spilled (d 64, d 128) in the order warp's share of the producer's 24 registers.
+      n_block = (p.seqlen_k + kBlockN - 1) / kBlockN - 1 - int(blockIdx.x);
+      BlockMask<kBlockM, kBlockN, kHasWindow>(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)
+          .query_block_range(n_block, m_min, m_max);
+      // The warp index made warp-uniform: with a plain compare ptxas spilled in the consumers (d 64).
+      if (__shfl_sync(0xffffffff, int(threadIdx.x) / 32, 0) == 1) {
+        dq_order_warp<kBlockM, kBlockN, kHasWindow, Traits::kMmaThreads>(
+            p.dq_semaphore + (int64_t(blockIdx.z) * p.heads_q + blockIdx.y) * args.seqlen_q_padded / 64, m_min, m_max,
+            n_block, (p.seqlen_k + kBlockN - 1) / kBlockN, p.seqlen_q, p.seqlen_k, p.window_right);
+        return;
+      }
+    }
     if (threadIdx.x != 0 || m_min >= m_max) return;
     const int head_kv = kGroupLoop ? head_y : head0 / (p.heads_q / p.heads_kv);
     // (rows, d) of a head of the batch; varlen: of the packed tensors, from the sequence's first
@@ -243,7 +253,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   // With softcap, tanh(S * scale / cap) is recovered from P: S' = ln(P) + lse (see sm80 bwd).
   const float softcap_t_factor = use_softcap ? float(M_LN2) / p.softcap : 0.f;
   float* dq_base = p.dq_accum + padded_row0() * kHeadDim;
-  int* dq_sem = kDeterministic ? p.dq_semaphore + padded_row0() / 64 : nullptr;  // one per 64 padded rows
   // The next step: the next visible query block, or with kGroupLoop past the last one the first
   // of the next query head (the producer's order).
   int g = 0;
@@ -399,13 +408,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
       }
       ++read;
 
-      if constexpr (kDeterministic) {
-        const int before = dq_order_predecessors<kBlockM, kBlockN, kHasWindow>(
-            m_block, n_block, (seqlen_k + kBlockN - 1) / kBlockN, seqlen_q, seqlen_k, p.window_right);
-        dq_order_wait<Traits::kMmaThreads>(dq_sem + m_block, before, mma_tid);
-      }
+      if constexpr (kDeterministic) dq_order_wait_turn<Traits::kMmaThreads>();
       dq_accum_add<Traits>(dq_base + int64_t(m_block) * kBlockM * kHeadDim, acc_dq, mma_tid);
-      if constexpr (kDeterministic) dq_order_done<Traits::kMmaThreads>(dq_sem + m_block, mma_tid);
+      if constexpr (kDeterministic) dq_order_added<Traits::kMmaThreads>();
     }
     if constexpr (kDkAcrossSteps) {
       warpgroup_wait<0>();  // the last step's dK
