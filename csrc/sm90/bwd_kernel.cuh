@@ -90,8 +90,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const int k_start = kVarlen ? p.cu_seqlens_k[batch] : 0;
   const int seqlen_q = kVarlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
   const int seqlen_k = kVarlen ? p.cu_seqlens_k[batch + 1] - k_start : p.seqlen_k;
-  // A key block past the sequence's keys: no work and no rows to write (the grid covers the
-  // longest sequence). Every thread leaves here, before any barrier.
+  // A key block past the sequence's keys (the grid covers the longest): every thread leaves here.
   if (kVarlen && n_block * kBlockN >= seqlen_k) return;
   // Row of (batch, head0)'s query block 0 in the padded lse / D rows (x kHeadDim: in dq_accum),
   // computed where used.
@@ -311,7 +310,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         fm_next = runs.next_visible(m_block + 1, m_max);
         fm_partial_next = fm_next < m_max && runs.partial(fm_next);
       }
-      warpgroup_wait<1>();  // S^T (and kDkAcrossSteps: the previous step's dK, issued before it)
+      warpgroup_wait<1>();  // S^T (and kDkAcrossSteps: the previous step's dK / dV, issued before it)
       warpgroup_fence_operand(acc_s);
       if constexpr (kDkAcrossSteps) {
         if (dk_in_flight) pipeline_q.consumer_release(read_prev);  // its dK read Q^T from that stage
@@ -380,24 +379,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
         warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
       }
 
-      // Both warpgroups' dS^T (and P^T) in shared memory, visible to the tensor cores; then
-      // dQ = dS K (and dV, dK from shared memory when split by head dim). Double-buffered:
-      // buffer buf was last read by the GEMMs two steps ago, which both warpgroups finished
-      // before the previous step's barrier.
+      // Both warpgroups' dS^T (and P^T) in shared memory, visible to the tensor cores; then dQ = dS K
+      // (and dV, dK from shared memory when split by head dim). Double-buffered: buffer buf was last
+      // read by the GEMMs two steps ago, retired before the previous step's first wait.
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(1, Traits::kMmaThreads);
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
+      if constexpr (kDkAcrossSteps) warpgroup_gemm_issue<true, false>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
       if constexpr (Traits::kSplitD) {
         Tensor tdVrPt_buf = tdVrPt(_, _, _, buf);
         Tensor tdKrdSt_buf = tdKrdSt(_, _, _, buf);
         warpgroup_gemm_issue<false, false>(mma_dkv, tdVrPt_buf, tdVrdOt(_, _, _, stage), acc_dv);
         warpgroup_gemm_issue<false, false>(mma_dkv, tdKrdSt_buf, tdKrQt(_, _, _, stage), acc_dk);
-      }
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
-      warpgroup_gemm_issue<true, false>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
-      if constexpr (kDkAcrossSteps) {
+      } else if constexpr (kDkAcrossSteps) {
         warpgroup_gemm_issue<false, true>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), acc_dk);
-        warpgroup_wait<1>();  // dV and dQ; dK runs on into the next step
+      }
+      if constexpr (!kDkAcrossSteps) warpgroup_gemm_issue<true, false>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
+      if constexpr (kDkAcrossSteps) {
+        warpgroup_wait<Traits::kSplitD ? 2 : 1>();  // dQ; dK (and dV) run on into the next step
         warpgroup_fence_operand(acc_dq);
         read_prev = read;
         dk_in_flight = true;

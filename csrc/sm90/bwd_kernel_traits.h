@@ -44,7 +44,8 @@ struct BwdTraits {
   // dK of step i is issued after its dQ and retires in step i + 1, under the dQ reductions, the
   // loop's top and the next S^T (no full wgmma drain per step; its dS^T registers stay live into
   // the next step, which fits the 64-query tile's registers).
-  static constexpr bool kDkAcrossSteps = !kSplitD && kBlockM == 64;
+  // Split by head dim: dV and dK (shared-memory operands, no registers held) likewise.
+  static constexpr bool kDkAcrossSteps = kBlockM == 64;
   static_assert(kBlockM == 128 || (kBlockM == 64 && kHeadDim % 128 == 0), "dQ split");
 
   using AtomSplitM = Layout<Shape<_2, _1, _1>>;
