@@ -433,8 +433,9 @@ def test_summary_op_varlen(block_n):
 def _fwd_tiles_want(sri, sq, sk, causal, block_m, block_n):
     """The Hopper forward's tile table (flashmask/flashmask_fwd_tiles.h) from the Python summaries:
     per (mask head, batch row, query block) the first and one past the last key block of the causal
-    range that the summaries do not skip ((0, 0) if all are), and the query blocks by walk length,
-    longest first, ties the later block first."""
+    range that the summaries do not skip ((0, 0) if all are), and the order: grouped by the walk's
+    first key block, the group with the longest walk first (ties: the later first block), the later
+    query block first within a group."""
     b, hm = sri.shape[0], sri.shape[1]
     nb = B.normalize(sri.cpu(), sq, sk, causal)
     kbs = B.summaries(nb, sk, block_n, batch=b, seqlen_q=sq)  # (hm, blocks, 2, 4)
@@ -456,7 +457,9 @@ def _fwd_tiles_want(sri, sq, sk, causal, block_m, block_n):
                 kept = (cls != B.SKIP).nonzero().flatten().tolist()
                 rng[g, bb, m] = torch.tensor([kept[0], kept[-1] + 1] if kept else [0, 0])
                 counts.append(len(kept))
-            order[g, bb] = torch.tensor(sorted(range(m_blocks), key=lambda m: (-counts[m], -m)))
+            first = rng[g, bb, :, 0].tolist()
+            longest = [max(c for f, c in zip(first, counts) if f == first[m]) for m in range(m_blocks)]
+            order[g, bb] = torch.tensor(sorted(range(m_blocks), key=lambda m: (-longest[m], -first[m], -m)))
     return rng, order
 
 
@@ -465,7 +468,7 @@ def _fwd_tiles_want(sri, sq, sk, causal, block_m, block_n):
 def test_fwd_tiles_op_matches_python(causal, c, block_n):
     """The tile table's kernels (flashmask_fwd_tiles.cu) against the Python transcription, exactly:
     random bounds (ranges of every length, empty ones, walks of equal length), a document mask
-    (its longest walks are its documents' last tiles) and shapes with a partial last query block
+    (its groups are its documents, the longest first) and shapes with a partial last query block
     and more keys than queries or fewer."""
     op = getattr(torch.ops.flash_ext, "flashmask_fwd_tiles", None)
     if op is None:

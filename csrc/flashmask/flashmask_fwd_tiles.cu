@@ -1,6 +1,6 @@
 // FlashMask's tile table for the Hopper forward (flashmask_fwd_tiles.h): a warp per query block
 // finds its range and walk length from the key-block summaries' skip halves (32 blocks per ballot),
-// then a CTA per (mask head, batch row) ranks its query blocks by walk length.
+// then a CTA per (mask head, batch row) orders its query blocks (flashmask_fwd_order_kernel).
 #include <climits>
 
 #include "flashmask/flashmask_fwd_tiles.h"
@@ -42,18 +42,38 @@ __global__ void __launch_bounds__(kWarps * 32) flashmask_fwd_range_kernel(const 
   }
 }
 
+// The order: query blocks grouped by their walk's first key block (a document's tiles share it),
+// the groups by their longest walk (descending; ties: the later group first), and within a group
+// the later query block first (the longer walk where walks end at the diagonal). CTAs running at
+// once then still work on one group's key blocks (a document's K / V stay in L2), while the
+// longest groups go first and the last group's short walks fill the tail. (Sorted by walk length
+// alone, the tiles of different documents interleaved: on the H100 the causal document's
+// per-block pace fell by a third, more than the tail it saved; docs/perf-notes.md, Session 33.)
 __global__ void __launch_bounds__(1024) flashmask_fwd_order_kernel(const __grid_constant__ FlashMaskFwdTilesArgs a) {
-  __shared__ int counts[kFmFwdTilesMaxBlocks];
+  __shared__ int first[kFmFwdTilesMaxBlocks];   // the walk's first key block, then -1 - it
+  __shared__ int longest[kFmFwdTilesMaxBlocks];  // its walk's length, then its group's longest
   const int64_t base = (int64_t(blockIdx.x) * a.batch + blockIdx.y) * a.m_blocks;
   const int M = a.m_blocks;
-  for (int i = threadIdx.x; i < M; i += blockDim.x) counts[i] = a.counts[base + i];
+  for (int i = threadIdx.x; i < M; i += blockDim.x) {
+    first[i] = a.range[base + i].x;
+    longest[i] = a.counts[base + i];
+  }
+  __syncthreads();
+  int group_longest[kFmFwdTilesMaxBlocks / 1024];  // this thread's query blocks' groups
+  for (int m = threadIdx.x, k = 0; m < M; m += blockDim.x, ++k) {
+    int g = 0;
+    for (int j = 0; j < M; ++j) g = first[j] == first[m] ? max(g, longest[j]) : g;
+    group_longest[k] = g;
+  }
+  __syncthreads();
+  for (int m = threadIdx.x, k = 0; m < M; m += blockDim.x, ++k) longest[m] = group_longest[k];
   __syncthreads();
   for (int m = threadIdx.x; m < M; m += blockDim.x) {
-    const int c = counts[m];
+    const int g = longest[m], f = first[m];
     int rank = 0;
     for (int j = 0; j < M; ++j) {
-      const int cj = counts[j];
-      rank += cj > c || (cj == c && j > m);
+      const int gj = longest[j], fj = first[j];
+      rank += gj > g || (gj == g && (fj > f || (fj == f && j > m)));
     }
     a.order[base + rank] = m;
   }

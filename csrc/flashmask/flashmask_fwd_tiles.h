@@ -3,11 +3,12 @@
 //   range[q] = (n_min, n_max): the key blocks its walk spans once the skipped blocks at both ends
 //              of the causal range are dropped ((lo, lo) when every block is skipped), the range
 //              the kernel's policy would find by scanning the summaries (sm90/fwd_mask.h);
-//   order[i] = the query block with the i-th longest walk (kept blocks; ties: the later block
-//              first, so a causal-shaped mask keeps the plain causal order).
+//   order[i] = the i-th query block to run: grouped by the walk's first key block (a document's
+//              tiles), longest group first, the later block first within a group (a causal-shaped
+//              mask keeps the plain causal order; flashmask_fwd_tiles.cu says why not by length).
 // The forward's tile scheduler takes its tiles in `order` and both of its roles read a tile's range
 // from `range`: a document mask's tiles no longer start with a scan past the documents before
-// theirs, and its longest walks no longer come last (docs/perf-notes.md, Session 33).
+// theirs, and its longest document no longer comes last (docs/perf-notes.md, Session 33).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -16,8 +17,8 @@
 namespace flash_ext {
 
 // Beyond this many query blocks per (mask head, batch row) no table is made (the order kernel
-// keeps one count per query block in static shared memory); the kernels then scan as before.
-constexpr int kFmFwdTilesMaxBlocks = 12288;
+// keeps two values per query block in static shared memory); the kernels then scan as before.
+constexpr int kFmFwdTilesMaxBlocks = 6144;
 
 struct FlashMaskFwdTilesArgs {
   const int4* kbs;      // kernel A's summaries, made for block_n (layout: FlashMaskView)
