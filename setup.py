@@ -73,6 +73,7 @@ def make_extension() -> CUDAExtension:
         "dropout_mask.cu",  # the flash_ext::dropout_mask kernel
         "decode/kvcache_append.cu",  # the flash_ext::kvcache_append kernel
         "flashmask/flashmask_summary.cu",  # FlashMask's kernel A (one PTX for every target: see below)
+        "flashmask/flashmask_fwd_tiles.cu",  # the Hopper FlashMask forward's tile table (likewise)
     )]
     for f in host_sources:
         if not f.is_file():
@@ -116,8 +117,9 @@ def make_extension() -> CUDAExtension:
     SOURCE_GENCODE.update(bc.source_gencode_flags(cfg))
     # FlashMask's kernel A is plain CUDA for sm80 and newer: one front end and optimizer pass, the
     # SASS of every target assembled from its PTX, as for the one_ptx kernel families.
-    SOURCE_GENCODE["flashmask_summary.cu"] = bc.family_gencode_flags(
-        bc.Family(name="flashmask_summary", header="", function="", one_ptx=True), cfg.archs)
+    for name in ("flashmask_summary", "flashmask_fwd_tiles"):
+        SOURCE_GENCODE[name + ".cu"] = bc.family_gencode_flags(
+            bc.Family(name=name, header="", function="", one_ptx=True), cfg.archs)
     nvcc_flags += bc.common_defines(cfg)  # the same on both sides (FwdParams' layout)
     if cfg.ptxas_verbose:
         nvcc_flags += ["-Xptxas", "-v"]

@@ -1,6 +1,7 @@
-// The testing op flash_ext::flashmask_summary: kernel A (csrc/flashmask/) alone, returning the
-// normalized bounds and key-block summaries in exactly the layout the kernels read
-// (common/flashmask.h), so that tests compare them with the Python transcription.
+// The testing ops of FlashMask's helper kernels (csrc/flashmask/), each alone: flashmask_summary
+// (kernel A's normalized bounds and key-block summaries, in exactly the layout the kernels read:
+// common/flashmask.h), flashmask_kept_pairs (its counts) and flashmask_fwd_tiles (the Hopper
+// forward's tile table), so that tests compare them with Python transcriptions.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +13,7 @@
 
 #include "api/errors.h"
 #include "api/flashmask.h"
+#include "flashmask/flashmask_fwd_tiles.h"
 
 namespace flash_ext {
 namespace {
@@ -74,6 +76,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flashmask_kept_pairs(const at::Te
   return {out, sum_sq, longest_first};
 }
 
+// The Hopper forward's tile table (flashmask/flashmask_fwd_tiles.h) of fixed-length bounds, for
+// query blocks of block_m rows and key blocks of block_n columns: range int32 (hm, batch, query
+// blocks, 2) and order int32 (hm, batch, query blocks).
+std::tuple<at::Tensor, at::Tensor> flashmask_fwd_tiles(const at::Tensor& startend_row_indices, int64_t seqlen_q,
+                                                       int64_t seqlen_k, bool causal, int64_t block_m, int64_t block_n) {
+  const at::Tensor& b = startend_row_indices;
+  check_flashmask_bounds(b, false, causal);
+  FLASH_EXT_CHECK(seqlen_q > 0 && seqlen_q <= (int64_t(1) << 30) && b.size(2) == seqlen_k,
+                  "flash_ext: seqlen_q must be in (0, 2^30] and startend_row_indices must have seqlen_k columns");
+  FLASH_EXT_CHECK(block_m > 0 && block_m % 64 == 0 && (seqlen_q + block_m - 1) / block_m <= kFmFwdTilesMaxBlocks,
+                  "flash_ext: block_m must be a positive multiple of 64 with at most ", kFmFwdTilesMaxBlocks,
+                  " query blocks; got ", block_m);
+  const c10::cuda::CUDAGuard guard(b.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(b.get_device()).stream();
+  const FlashMaskSummary s = make_flashmask_summary(b, std::nullopt, seqlen_q, seqlen_k, causal, int(block_n),
+                                                    /*group=*/1, stream, FmCountFor::kNothing, nullptr, int(block_m));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {s.fwd_range.clone(), s.fwd_order.clone()};
+}
+
 }  // namespace
 }  // namespace flash_ext
 
@@ -84,9 +106,13 @@ TORCH_LIBRARY_FRAGMENT(flash_ext, m) {
   m.def(
       "flashmask_kept_pairs(Tensor startend_row_indices, int seqlen_q, int seqlen_k, bool causal) -> (Tensor pairs, "
       "Tensor sum_sq, Tensor longest_first)");
+  m.def(
+      "flashmask_fwd_tiles(Tensor startend_row_indices, int seqlen_q, int seqlen_k, bool causal, int block_m, "
+      "int block_n) -> (Tensor range, Tensor order)");
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {
   m.impl("flashmask_summary", &flash_ext::flashmask_summary);
   m.impl("flashmask_kept_pairs", &flash_ext::flashmask_kept_pairs);
+  m.impl("flashmask_fwd_tiles", &flash_ext::flashmask_fwd_tiles);
 }

@@ -45,6 +45,8 @@ SCHEMAS = (
      "Tensor? cu_seqlens_k, bool causal, int block_n) -> (Tensor nb, Tensor kbs)", ()),
     ("flashmask_kept_pairs(Tensor startend_row_indices, int seqlen_q, int seqlen_k, "
      "bool causal) -> (Tensor pairs, Tensor sum_sq, Tensor longest_first)", ()),
+    ("flashmask_fwd_tiles(Tensor startend_row_indices, int seqlen_q, int seqlen_k, bool causal, "
+     "int block_m, int block_n) -> (Tensor range, Tensor order)", ()),
     ("dropout_rng_state(Tensor q) -> Tensor", (torch.Tag.nondeterministic_seeded,)),
     ("dropout_mask(Tensor q, Tensor rng_state, int batch, int heads, int seqlen_q, "
      "int seqlen_k, float dropout_p) -> Tensor", ()),

@@ -430,6 +430,83 @@ def test_summary_op_varlen(block_n):
         assert torch.equal(kbs.cpu()[:, blocks], want_kbs[:, blocks])
 
 
+def _fwd_tiles_want(sri, sq, sk, causal, block_m, block_n):
+    """The Hopper forward's tile table (flashmask/flashmask_fwd_tiles.h) from the Python summaries:
+    per (mask head, batch row, query block) the first and one past the last key block of the causal
+    range that the summaries do not skip ((0, 0) if all are), and the order: grouped by the walk's
+    first key block, the group with the longest walk first (ties: the later first block), the later
+    query block first within a group."""
+    b, hm = sri.shape[0], sri.shape[1]
+    nb = B.normalize(sri.cpu(), sq, sk, causal)
+    kbs = B.summaries(nb, sk, block_n, batch=b, seqlen_q=sq)  # (hm, blocks, 2, 4)
+    bpb = -(-sk // 128) * 128 // block_n
+    m_blocks = -(-sq // block_m)
+    rng = torch.zeros(hm, b, m_blocks, 2, dtype=torch.int32)
+    order = torch.zeros(hm, b, m_blocks, dtype=torch.int32)
+    for g in range(hm):
+        for bb in range(b):
+            summ = kbs[g, bb * bpb:(bb + 1) * bpb]
+            counts = []
+            for m in range(m_blocks):
+                r0, r1 = m * block_m, min(m * block_m + block_m, sq)
+                hi = -(-sk // block_n)
+                if causal:
+                    last_col = r1 - 1 + sk - sq
+                    hi = min(hi, 0 if last_col < 0 else last_col // block_n + 1)
+                cls = B.classify(summ[:hi, 0], summ[:hi, 1], r0, r1)
+                kept = (cls != B.SKIP).nonzero().flatten().tolist()
+                rng[g, bb, m] = torch.tensor([kept[0], kept[-1] + 1] if kept else [0, 0])
+                counts.append(len(kept))
+            first = rng[g, bb, :, 0].tolist()
+            longest = [max(c for f, c in zip(first, counts) if f == first[m]) for m in range(m_blocks)]
+            order[g, bb] = torch.tensor(sorted(range(m_blocks), key=lambda m: (-longest[m], -first[m], -m)))
+    return rng, order
+
+
+@pytest.mark.parametrize("causal,c", CASES)
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_fwd_tiles_op_matches_python(causal, c, block_n):
+    """The tile table's kernels (flashmask_fwd_tiles.cu) against the Python transcription, exactly:
+    random bounds (ranges of every length, empty ones, walks of equal length), a document mask
+    (its groups are its documents, the longest first) and shapes with a partial last query block
+    and more keys than queries or fewer."""
+    op = getattr(torch.ops.flash_ext, "flashmask_fwd_tiles", None)
+    if op is None:
+        pytest.skip("this build has no flash_ext::flashmask_fwd_tiles op")
+    cases = [(random_bounds(2, 2, sq, sk, causal, c), sq, sk)
+             for sq, sk in ((300, 333), (128, 128), (1000, 5000), (4100, 700))]
+    if causal and c == 1:
+        doc = M.causal_document([700, 130, 1, 1500, 1765], 4096, device="cuda")[0]
+        cases.append((doc.expand(2, 1, 4096, 1).contiguous(), 4096, 4096))
+    for sri, sq, sk in cases:
+        rng, order = op(sri, sq, sk, causal, 128, block_n)
+        want_rng, want_order = _fwd_tiles_want(sri, sq, sk, causal, 128, block_n)
+        assert torch.equal(rng.cpu(), want_rng), (sq, sk)
+        assert torch.equal(order.cpu(), want_order), (sq, sk)
+    with pytest.raises(RuntimeError, match="block_m must be"):
+        op(cases[0][0], 300, 333, causal, 100, block_n)
+
+
+@pytest.mark.parametrize("tiles", ["table", "scan"])
+@pytest.mark.parametrize("name", ["causal_document", "sliding_window", "shared_question", "prefix_lm"])
+def test_fwd_tiles_table_or_scan(fwd_path, name, tiles, tuning):
+    """The Hopper forward with its tile table (ranges and the longest-first order) and with the
+    scans it replaces (FLASH_EXT_SM90_FM_FWD_TILES): every tile once, with the same key blocks."""
+    if fwd_path == "sm80":
+        pytest.skip("the tile table is the Hopper forward's")
+    tuning.set("FLASH_EXT_SM90_FM_FWD_TILES", tiles)
+    s = 3000
+    sri, causal = {
+        "causal_document": M.causal_document([900, 1, 129, 1000, 970], s, device="cuda"),
+        "sliding_window": M.sliding_window(300, s, device="cuda"),
+        "shared_question": M.shared_question(s // 4, [s // 8] * 6, s, device="cuda"),
+        "prefix_lm": M.prefix_lm(s // 2, None, s, device="cuda"),
+    }[name]
+    q, k, v = qkv(2, s, s, 4, 2, 128, torch.bfloat16)
+    run_batched(q, k, v, sri.expand(2, 1, s, sri.shape[-1]).contiguous(), causal,
+                f"{fwd_path} tiles {tiles} {name}", backward=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Against flash_ext's own window and varlen kernels
 # ---------------------------------------------------------------------------------------------

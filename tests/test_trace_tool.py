@@ -65,3 +65,22 @@ def test_analyze_empty_buffer():
     res = trace_fwd.analyze([0] * lay.words, lay)
     assert res["ctas"] == [] and res["tiles"] == [] and res["idle_fraction"] is None
     assert "0 CTAs" in trace_fwd.format_report("x", res, [], 0.0)
+
+
+def test_make_call_cells():
+    """Each trace cell names a call (built, not run: CPU tensors); the varlen cell packs the mask
+    bench's documents of every batch row; an unknown name is refused."""
+    import torch
+    import flash_ext
+    from flash_ext import bench_mask
+    b, s = 2, 2048
+    q = torch.zeros(b, s, 2, 64)
+    for mask in trace_fwd.MASKS:
+        assert callable(trace_fwd.make_call(flash_ext, q, q, q, mask))
+    call = trace_fwd.make_call(flash_ext, q, q, q, "varlen_doc")
+    cu = [c.cell_contents for c in call.__closure__ if isinstance(c.cell_contents, torch.Tensor)
+          and c.cell_contents.dtype == torch.int32]
+    assert len(cu) == 1 and cu[0][-1].item() == b * s
+    assert cu[0].numel() == 2 * len(bench_mask.doc_lengths(s)) + 1
+    with pytest.raises(ValueError, match="unknown trace mask"):
+        trace_fwd.make_call(flash_ext, q, q, q, "nope")

@@ -26,6 +26,7 @@ SWITCHES = {  # name -> (default, another allowed value)
     "FLASH_EXT_SM90_BWD_GQA": ("auto", "loop"),
     "FLASH_EXT_SM90_BWD_LPT": ("auto", "1"),
     "FLASH_EXT_SM90_FM_FWD_SECTIONS": ("auto", "rule"),
+    "FLASH_EXT_SM90_FM_FWD_TILES": ("auto", "scan"),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -179,11 +179,39 @@ def format_report(name: str, res: dict, untraced_ms: list[float], traced_ms: flo
     return "\n".join(lines)
 
 
+MASKS = ("full", "causal", "fm_nomask", "causal_doc", "varlen_doc")
+
+
+def make_call(flash_ext, q, k, v, mask: str):
+    """One forward call of a trace cell. full / causal: the plain kernels; fm_nomask: FlashMask with
+    nothing masked beyond causal (the policy's own cost); causal_doc: FlashMask on the mask bench's
+    documents; varlen_doc: the same documents as a varlen call (no policy, the same tiles)."""
+    import torch
+    from flash_ext import bench_mask
+    b, s = q.shape[0], q.shape[1]
+    if mask in ("full", "causal"):
+        return lambda: flash_ext.attn_fwd(q, k, v, causal=mask == "causal")
+    if mask == "fm_nomask":
+        sri = torch.full((b, 1, s, 1), s, dtype=torch.int32, device=q.device)
+        return lambda: flash_ext.flashmask_attention(q, k, v, sri, causal=True)
+    if mask == "causal_doc":
+        sri, causal, _ = bench_mask.build_mask("causal_doc", s, device=q.device)
+        sri = sri.expand(b, -1, -1, -1).contiguous()
+        return lambda: flash_ext.flashmask_attention(q, k, v, sri, causal=causal)
+    if mask == "varlen_doc":
+        lens = bench_mask.doc_lengths(s) * b
+        cu = torch.tensor([0] + lens, dtype=torch.int32, device=q.device).cumsum(0, dtype=torch.int32)
+        qv, kv, vv = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
+        mx = max(lens)
+        return lambda: flash_ext.flash_attn_varlen_func(qv, kv, vv, cu, cu, mx, mx, causal=True)
+    raise ValueError(f"unknown trace mask {mask!r} (one of {', '.join(MASKS)})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hdims", default="256")
     ap.add_argument("--seqlens", default="2048")
-    ap.add_argument("--masks", default="full,causal")
+    ap.add_argument("--masks", default="full,causal", help="comma-separated: " + ", ".join(MASKS))
     ap.add_argument("--calls", type=int, default=5, help="untraced calls timed beside the traced one")
     ap.add_argument("--out", default=None, help="directory for report.txt and the raw JSON")
     args = ap.parse_args(argv)
@@ -206,7 +234,7 @@ def main(argv=None) -> int:
             for mask in args.masks.split(","):
                 b, h = max(1, 16384 // s), 2048 // d
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                call = lambda: flash_ext.attn_fwd(q, k, v, causal=mask == "causal")  # noqa: E731
+                call = make_call(flash_ext, q, k, v, mask)
                 untraced = [time_ms(call, reps=1, warmup=5 if i == 0 else 0) for i in range(args.calls)]
                 buf.zero_()
                 torch.ops.flash_ext.sm90_trace_buffer(buf)

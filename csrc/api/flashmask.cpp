@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "api/errors.h"
+#include "flashmask/flashmask_fwd_tiles.h"
 #include "flashmask/flashmask_summary.h"
 
 namespace flash_ext {
@@ -65,7 +66,8 @@ void check_flashmask_inputs(const at::Tensor& bounds, const at::Tensor& q, const
 
 FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::optional<at::Tensor>& cu_seqlens_k,
                                         int64_t seqlen_q, int64_t seqlen_k, bool causal, int block_n, int group,
-                                        cudaStream_t stream, FmCountFor count_for, const double** sum_sq_out) {
+                                        cudaStream_t stream, FmCountFor count_for, const double** sum_sq_out,
+                                        int fwd_tiles_block_m) {
   FLASH_EXT_CHECK(block_n == 32 || block_n == 64 || block_n == 128,
                   "flash_ext: FlashMask summaries are made for key blocks of 32, 64 or 128 columns; got ", block_n);
   const bool varlen = cu_seqlens_k.has_value();
@@ -91,7 +93,13 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
   // order (i32); all 16-byte aligned.
   const bool count_visible = count_for != FmCountFor::kNothing && !varlen;
   const int64_t nb_ints = hm * cols * 4, kbs_ints = hm * blocks * 8;
-  const at::Tensor buf = at::empty({nb_ints + kbs_ints + (count_visible ? 8 : 0)}, bounds.options().dtype(at::kInt));
+  // The Hopper forward's tile table (fixed length): range (2 int32), order and count (1 each) per
+  // (mask head, batch row, query block), after the counters.
+  const int64_t fwd_m_blocks = fwd_tiles_block_m > 0 ? (seqlen_q + fwd_tiles_block_m - 1) / fwd_tiles_block_m : 0;
+  const bool fwd_tiles = !varlen && fwd_m_blocks > 0 && fwd_m_blocks <= kFmFwdTilesMaxBlocks;
+  const int64_t tiles = fwd_tiles ? hm * batch * fwd_m_blocks : 0;
+  const int64_t counter_ints = count_visible ? 8 : 0;
+  const at::Tensor buf = at::empty({nb_ints + kbs_ints + counter_ints + 4 * tiles}, bounds.options().dtype(at::kInt));
   FlashMaskSummary out;
   out.nb = buf.narrow(0, 0, nb_ints).view({hm, cols, 4});
   out.kbs = buf.narrow(0, nb_ints, kbs_ints).view({hm, blocks, 2, 4});
@@ -147,15 +155,40 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
   a.layout = v;
   a.seqlen_q = int(seqlen_q);
   launch_flashmask_summary(a, stream);
+  if (fwd_tiles) {
+    int* table = buf.data_ptr<int>() + nb_ints + kbs_ints + counter_ints;
+    FlashMaskFwdTilesArgs t{};
+    t.kbs = kbs;
+    t.kbs_head_stride = v.kbs_head_stride;
+    t.blocks_per_batch = v.blocks_per_batch;
+    t.heads = int(hm);
+    t.batch = int(batch);
+    t.seqlen_q = int(seqlen_q);
+    t.seqlen_k = int(seqlen_k);
+    t.causal = causal;
+    t.block_m = fwd_tiles_block_m;
+    t.block_n = block_n;
+    t.m_blocks = int(fwd_m_blocks);
+    t.range = reinterpret_cast<int2*>(table);
+    t.order = table + 2 * tiles;
+    t.counts = table + 3 * tiles;
+    launch_flashmask_fwd_tiles(t, stream);
+    out.view.fwd_range = t.range;
+    out.view.fwd_order = t.order;
+    out.view.fwd_m_blocks = t.m_blocks;
+    out.fwd_range = buf.narrow(0, nb_ints + kbs_ints + counter_ints, 2 * tiles).view({hm, batch, fwd_m_blocks, 2});
+    out.fwd_order = buf.narrow(0, nb_ints + kbs_ints + counter_ints + 2 * tiles, tiles).view({hm, batch, fwd_m_blocks});
+  }
   return out;
 }
 
 FlashMaskSummary set_flashmask_params(FwdParams& p, const at::Tensor& bounds, const AttnShape& s,
                                       const std::optional<at::Tensor>& cu_seqlens_k, bool causal, int block_n,
-                                      cudaStream_t stream, FmCountFor count_for) {
+                                      cudaStream_t stream, FmCountFor count_for, int fwd_tiles_block_m) {
   const int hm = int(bounds.size(-3));
   FlashMaskSummary fm = make_flashmask_summary(bounds, s.varlen ? cu_seqlens_k : std::nullopt, s.seqlen_q,
-                                               s.seqlen_k, causal, block_n, s.heads_q / hm, stream, count_for);
+                                               s.seqlen_k, causal, block_n, s.heads_q / hm, stream, count_for,
+                                               nullptr, fwd_tiles_block_m);
   p.has_flashmask = true;
   p.fm = fm.view;
   p.has_window = true;  // the windowed kernel variants run FlashMask (window (-1, -1) or causal)

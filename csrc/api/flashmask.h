@@ -29,6 +29,9 @@ void check_flashmask_inputs(const at::Tensor& bounds, const at::Tensor& q, const
 struct FlashMaskSummary {
   at::Tensor nb, kbs;
   FlashMaskView view;
+  // The Hopper forward's tile table (flashmask/flashmask_fwd_tiles.h), where made: range (hm,
+  // batch, query blocks, 2) and order (hm, batch, query blocks), int32 views of the same allocation.
+  at::Tensor fwd_range, fwd_order;
 };
 
 // Allocates (caching allocator) and queues kernel A on `stream`. seqlen_q: the query rows (varlen:
@@ -38,12 +41,14 @@ struct FlashMaskSummary {
 // mask keeps into view.visible_pairs, for the Hopper forward under L2 sections
 // (view.one_section_below: under which count its tile order drops the sections) or the Hopper
 // backward's CTA order (view.bwd_longest_first, decided by kernel A's last CTA; its sum of
-// squares: *sum_sq_out, for the testing op, when given).
+// squares: *sum_sq_out, for the testing op, when given). fwd_tiles_block_m > 0 (fixed length, at
+// most kFmFwdTilesMaxBlocks query blocks): also the Hopper forward's tile table for query blocks of
+// that many rows (view.fwd_order / fwd_range; flashmask/flashmask_fwd_tiles.h).
 enum class FmCountFor { kNothing, kFwdSections, kBwdOrder };
 FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::optional<at::Tensor>& cu_seqlens_k,
                                         int64_t seqlen_q, int64_t seqlen_k, bool causal, int block_n, int group,
                                         cudaStream_t stream, FmCountFor count_for = FmCountFor::kNothing,
-                                        const double** sum_sq_out = nullptr);
+                                        const double** sum_sq_out = nullptr, int fwd_tiles_block_m = 0);
 
 // Checks and summarizes the bounds of an attention call for a kernel of key-block size block_n
 // and points p at the result (p.has_flashmask, p.fm; the windowed kernel variant: has_window).
@@ -51,6 +56,7 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
 // count_for: as make_flashmask_summary's.
 FlashMaskSummary set_flashmask_params(FwdParams& p, const at::Tensor& bounds, const AttnShape& s,
                                       const std::optional<at::Tensor>& cu_seqlens_k, bool causal, int block_n,
-                                      cudaStream_t stream, FmCountFor count_for = FmCountFor::kNothing);
+                                      cudaStream_t stream, FmCountFor count_for = FmCountFor::kNothing,
+                                      int fwd_tiles_block_m = 0);
 
 }  // namespace flash_ext

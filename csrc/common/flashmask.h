@@ -54,6 +54,13 @@ struct FlashMaskView {
   // section, 0 where they keep the 3-D grid's order, as kernel A's last CTA decided from its
   // counts (flashmask/flashmask_summary.h; read by sm90/bwd_tile_order.h).
   const int* bwd_longest_first;
+  // Fixed-length Hopper forward only (else nullptr): the tile table of
+  // flashmask/flashmask_fwd_tiles.h, (mask head, batch row, query block) each: the tiles' order
+  // (longest walk first) and each query block's key-block range. fwd_m_blocks: query blocks per
+  // (mask head, batch row), of the forward tile's rows.
+  const int* fwd_order;
+  const int2* fwd_range;
+  int fwd_m_blocks;
 };
 
 enum FmBlockClass : int { kFmSkip = 0, kFmFull = 1, kFmPartial = 2 };

@@ -53,6 +53,9 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
 
   const int4* nb;   // this tile's (mask head, batch row): normalized bounds of column 0
   const int4* kbs;  // its summary pair of key block 0 (of kBlockN columns)
+  // Its query blocks' ranges in the tile table (flashmask/flashmask_fwd_tiles.h), or nullptr
+  // (varlen, or no table): then the range is found by scanning the summaries.
+  const int2* ranges = nullptr;
   mutable int cached_n = -1, cached_class = kFmFull;  // kCacheClass: the class last computed
 
   __device__ __forceinline__ FlashMaskPolicy(const FwdParams& p, const SeqInfo& seq, int head, int batch)
@@ -60,6 +63,21 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     const int64_t g = head / p.fm.group;
     nb = p.fm.nb + g * p.fm.nb_head_stride + fm_col0(p.fm, p.cu_seqlens_k, batch);
     kbs = p.fm.kbs + 2 * (g * p.fm.kbs_head_stride + fm_blk0(p.fm, p.cu_seqlens_k, batch));
+    if (p.fm.fwd_range != nullptr) ranges = p.fm.fwd_range + (g * p.batch + batch) * p.fm.fwd_m_blocks;
+  }
+
+  // The tile table's range of the query block at row0 (one load instead of a scan); false without
+  // a table. The range's summaries are prefetched into L1 as by the scans (each warp's lanes a block
+  // each; the producer's thread every 32nd), for the walk's classes.
+  __device__ __forceinline__ bool table_range(int row0, int& n_min, int& n_max) const {
+    if (ranges == nullptr) return false;
+    const int2 r = __ldg(ranges + row0 / kBlockM);
+    n_min = r.x;
+    n_max = r.y;
+    for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
+    }
+    return true;
   }
 
   // Class of key block n for the tile's rows, by the intervals alone.
@@ -80,6 +98,7 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   // walk's next_block and the masks read them there instead of paying an L2 round trip per block
   // in the producer's and the consumers' loop headers.
   __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
+    if (table_range(row0, n_min, n_max)) return;
     Base::key_block_range_rows(row0, n_min, n_max);
     for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
       asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
@@ -112,6 +131,7 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   // tile skips most of the causal range: ncu, docs/perf-notes.md "the forward's range ends").
   // The same range as key_block_range_rows, which the producer's single thread computes.
   __device__ __forceinline__ void key_block_range_rows_warps(int row0, int& n_min, int& n_max) const {
+    if (table_range(row0, n_min, n_max)) return;
     Base::key_block_range_rows(row0, n_min, n_max);
     const int lane = threadIdx.x % 32, r1 = min(row0 + kBlockM, this->seqlen_q);
     auto kept = [&](int n, bool in_range) {

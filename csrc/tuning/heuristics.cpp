@@ -279,19 +279,17 @@ DecodeConfig choose_decode_config(int requested, int64_t units, int sms, int64_t
     // Few sequences x KV heads and short splits: per-CTA latency bound; the deep ring keeps more
     // blocks in flight per SM (1 x 8k keys: 1265 vs 1134 GB/s), where it fits.
     ring = deepest_ring, splits = deep_splits;
-  } else if (units < sms && !paged && !(dram_bytes_per_s > kDecodeFillAllSlotsBytesPerS)) {
+  } else if (units < sms && !(dram_bytes_per_s > kDecodeFillAllSlotsBytesPerS)) {
     // Fewer (sequence, KV head) tiles than SMs, long splits: one ring-3 CTA per SM beat two ring-2
     // ones at every such shape of the H100 sweep (1 x 128k: 2822 vs 2770 GB/s; 8 x 64k: 3102 vs
-    // 3064; 16 x 8k: 2859 vs 2801). Paged caches stall a lone CTA per SM on page lookups (1 x
-    // 128k, pages of 16: 2100 vs 2610) and keep two ring-2 CTAs per SM.
+    // 3064; 16 x 8k: 2859 vs 2801). Paged caches too, since a row's page lookup is off the copies'
+    // path (decode/kv_block_loader.h; H100, pages of 16: 1 x 128k 2702-2710 vs 2656-2661 GB/s on
+    // every shallow slot, 8 x 64k 2955 vs 2940).
     ring = kDecodeStagesMid, splits = std::clamp<int64_t>(sms / units, 1, max_splits);
   } else if (units < sms) {
-    // Paged, fewer tiles than SMs: every shallow slot filled in one wave (three CTAs per SM on an
-    // H100) hides the page lookups better than two per SM (pages of 16: 1 x 128k 2657 at 48
-    // splits vs 2619 at 32; 8 x 64k 2966 at 6 vs 2878 at 4). Contiguous caches too on GPUs of
-    // more DRAM bandwidth than an H100's, which need more blocks in flight per SM: on an H200 the
-    // paged calls in this configuration read 3616 (1 x 128k) and 4152 GB/s (8 x 64k) against
-    // 3030 and 3223 for contiguous ones on one ring-3 CTA per SM.
+    // GPUs of more DRAM bandwidth than an H100's need more blocks in flight per SM: every shallow
+    // slot filled in one wave (H200: 3616 GB/s at 1 x 128k and 4152 at 8 x 64k, against 3030 and
+    // 3223 on one ring-3 CTA per SM).
     splits = std::clamp<int64_t>(shallow_slots / units, 1, max_splits);
   } else if (units < 2 * int64_t(sms)) {
     splits = std::clamp<int64_t>((2 * sms + units / 2) / units, 1, max_splits);  // ~two CTAs per SM

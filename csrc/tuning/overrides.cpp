@@ -26,6 +26,7 @@ enum Switch {
   kSm90BwdGqa,
   kSm90BwdLpt,
   kSm90FmFwdSections,
+  kSm90FmFwdTiles,
   kSwitches
 };
 
@@ -47,6 +48,7 @@ constexpr SwitchSpec kSpecs[kSwitches] = {
     {"FLASH_EXT_SM90_BWD_GQA", {"auto", "expand", "loop", nullptr}},
     {"FLASH_EXT_SM90_BWD_LPT", {"auto", "0", "1", nullptr}},
     {"FLASH_EXT_SM90_FM_FWD_SECTIONS", {"auto", "rule", "one", nullptr}},
+    {"FLASH_EXT_SM90_FM_FWD_TILES", {"auto", "scan", "table", nullptr}},
 };
 
 // The index of `value` among the switch's spellings ("" = the default); raises on others.
@@ -94,7 +96,7 @@ Store& store() {
 
 PathChoice path_of(int i) { return i == 1 ? PathChoice::kSm80 : i == 2 ? PathChoice::kSm90 : PathChoice::kAuto; }
 
-// auto | 0 | 1, auto | base | alt, auto | expand | loop and auto | rule | one: index 0 is auto (-1), then 0 and 1.
+// auto | 0 | 1, auto | base | alt, auto | expand | loop, auto | rule | one and auto | scan | table: index 0 is auto (-1), then 0 and 1.
 int tristate_of(int i) { return i - 1; }
 
 }  // namespace
@@ -115,6 +117,7 @@ TuningOverrides tuning_overrides() {
   o.sm90_bwd_gqa = tristate_of(at(kSm90BwdGqa));
   o.sm90_bwd_lpt = tristate_of(at(kSm90BwdLpt));
   o.sm90_fm_fwd_sections = tristate_of(at(kSm90FmFwdSections));
+  o.sm90_fm_fwd_tiles = tristate_of(at(kSm90FmFwdTiles));
   return o;
 }
 

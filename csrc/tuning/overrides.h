@@ -42,6 +42,11 @@ struct TuningOverrides {
   // under L2 sections; auto drops the sections on the GPU when the mask keeps few pairs (kernel
   // A's count), rule keeps the host's sections, one always takes one section (-1 auto, 0, 1).
   int sm90_fm_fwd_sections = -1;
+  // FLASH_EXT_SM90_FM_FWD_TILES = auto | scan | table: how the Hopper FlashMask forward (fixed
+  // length) finds its tiles' key-block ranges and order: auto and table from the tile table
+  // (flashmask/flashmask_fwd_tiles.h: longest walk first), scan from the summaries in the kernel,
+  // query blocks in descending order (-1 auto, 0 scan, 1 table).
+  int sm90_fm_fwd_tiles = -1;
 };
 
 // The overrides in force now (the environment's, as changed by set_tuning). Cheap: a few
