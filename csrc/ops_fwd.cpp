@@ -78,7 +78,7 @@ void launch(FwdParams& p, const at::Tensor& q, const FlashMaskInput& fm_in) {
     // (Not past 2^26 query rows: kernel A sums a warp's rows in 32 bits.)
     const bool sections = kernel.path == KernelPath::kSm90 && config.section_hb < p.heads_q * p.batch &&
                           p.seqlen_q < (1 << 26) && overrides.sm90_fm_fwd_sections != 0;
-    // The Hopper forward's tile table (fixed length): each tile's range and the longest-first order.
+    // The Hopper forward's tile table (fixed length): each tile's range and the tile order.
     const int fwd_tiles_block_m =
         kernel.path == KernelPath::kSm90 && overrides.sm90_fm_fwd_tiles != 0 ? config.tile.block_m : 0;
     fm = set_flashmask_params(p, *fm_in.bounds, *fm_in.shape, *fm_in.cu_seqlens_k, fm_in.causal, block_n, stream,

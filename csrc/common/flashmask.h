@@ -56,7 +56,8 @@ struct FlashMaskView {
   const int* bwd_longest_first;
   // Fixed-length Hopper forward only (else nullptr): the tile table of
   // flashmask/flashmask_fwd_tiles.h, (mask head, batch row, query block) each: the tiles' order
-  // (longest walk first) and each query block's key-block range. fwd_m_blocks: query blocks per
+  // (a document's tiles together, the longest document first) and each query block's key-block
+  // range. fwd_m_blocks: query blocks per
   // (mask head, batch row), of the forward tile's rows.
   const int* fwd_order;
   const int2* fwd_range;

@@ -66,17 +66,23 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     if (p.fm.fwd_range != nullptr) ranges = p.fm.fwd_range + (g * p.batch + batch) * p.fm.fwd_m_blocks;
   }
 
-  // The tile table's range of the query block at row0 (one load instead of a scan); false without
-  // a table. The range's summaries are prefetched into L1 as by the scans (each warp's lanes a block
-  // each; the producer's thread every 32nd), for the walk's classes.
+  // The summaries of blocks [n_min, n_max) into L1 (each warp's lanes a block each; the producer's
+  // thread every 32nd), so that the walk's classes read them there instead of paying an L2 round
+  // trip per block in the producer's and the consumers' loop headers.
+  __device__ __forceinline__ void prefetch_summaries(int n_min, int n_max) const {
+    for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
+    }
+  }
+
+  // The tile table's range of the query block at row0 (one load instead of a scan), its summaries
+  // prefetched; false without a table.
   __device__ __forceinline__ bool table_range(int row0, int& n_min, int& n_max) const {
     if (ranges == nullptr) return false;
     const int2 r = __ldg(ranges + row0 / kBlockM);
     n_min = r.x;
     n_max = r.y;
-    for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
-    }
+    prefetch_summaries(n_min, n_max);
     return true;
   }
 
@@ -93,16 +99,12 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     return c;
   }
 
-  // The usual range, then its ends moved past skipped blocks (an empty range if all are). The
-  // range's summaries are prefetched into L1 (each warp's lanes a block each), so that the
-  // walk's next_block and the masks read them there instead of paying an L2 round trip per block
-  // in the producer's and the consumers' loop headers.
+  // The tile table's range, or the usual range with its ends moved past skipped blocks (an empty
+  // range if all are); the range's summaries prefetched.
   __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
     if (table_range(row0, n_min, n_max)) return;
     Base::key_block_range_rows(row0, n_min, n_max);
-    for (int b = n_min + int(threadIdx.x % 32); b < n_max; b += 32) {
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
-    }
+    prefetch_summaries(n_min, n_max);
     // Two blocks per round, their skip halves loaded together: half the dependent L1 round trips
     // of one thread's walk past a long skipped run (the producer's; the consumers take ballots).
     const int r1 = min(row0 + kBlockM, this->seqlen_q);
@@ -153,7 +155,7 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
         break;
       }
     }
-    for (int b = n_min + lane; b < n_max; b += 32) asm volatile("prefetch.global.L1 [%0];" ::"l"(kbs + 2 * b));
+    prefetch_summaries(n_min, n_max);
   }
 
   // The next block below n that is not skipped; n_min (not skipped) stops the scan, and below

@@ -75,7 +75,8 @@ struct TileRing {
 // kSparseSections (FlashMask): where kernel A's count of the pairs the mask keeps is below
 // p.fm.one_section_below, one section of every (head, batch) pair instead of the host's L2
 // sections (the count is on the GPU; the host cannot read it without a sync); and, with the tile
-// table (p.fm.fwd_order), a (head, batch)'s tiles in the order of their walks' lengths.
+// table (p.fm.fwd_order), a (head, batch)'s tiles in the table's order (a document's tiles
+// together, the longest document first).
 template <int kBlockM, int kBlockN, bool kMasked, bool kSparseSections = false>
 struct TileScheduler {
   int num_m_blocks, heads, num_tiles;
@@ -203,12 +204,12 @@ struct TileScheduler {
         hb_count = small_hb;
       }
       const int r = t - first_hb * num_m_blocks;
-      const int rank = r / hb_count;  // the rank-th longest tile of its (head, batch)
+      const int rank = r / hb_count;  // the rank-th tile of its (head, batch) to run
       m_block = num_m_blocks - 1 - rank;
       hb = first_hb + r % hb_count;
       if constexpr (kSparseSections) {
-        // FlashMask (fixed length): the rank-th longest walk of the tile table, not the rank-th
-        // query block from the end (a document mask's longest walks are the ends of its documents).
+        // FlashMask (fixed length): the tile table's rank-th query block, not the rank-th from
+        // the end (a document mask's longest walks are the ends of its documents).
         if (p.fm.fwd_order != nullptr) {
           const int h = hb % heads, b = hb / heads;
           m_block = __ldg(p.fm.fwd_order + (int64_t(h / p.fm.group) * p.batch + b) * num_m_blocks + rank);
