@@ -193,6 +193,25 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
       }
     }
   }
+
+  // Key block n's column bounds (kBlockN int4: kBlockN / 8 lines of 128 bytes, a lane each) into
+  // L1 ahead of a partial test (full warps). Without it each of a thread's 32 bound loads missed
+  // L1 and waited on the previous one: ~376 cycles each, so a tile whose rows straddle a
+  // document's end (all of its blocks partial) ran at ~17k cycles per block (ncu and the trace,
+  // docs/perf-notes.md, Session 33). Issued off the walk (next_block): there, the prefetch's
+  // per-lane address put the walk's block index on the vector datapath (R2UR 98 -> 117).
+  __device__ __forceinline__ void prefetch_columns(int n) const {
+    const int lane = int(threadIdx.x % 32);
+    if (lane < kBlockN / 8) asm volatile("prefetch.global.L1 [%0];" ::"l"(nb + n * kBlockN + lane * 8));
+  }
+  // The range's ends, where partial blocks are most likely (a document's first block; a
+  // straddling tile's first block).
+  __device__ __forceinline__ void prefetch_range_ends(int n_min, int n_max) const {
+    if (n_max > n_min) {
+      prefetch_columns(n_max - 1);
+      prefetch_columns(n_min);
+    }
+  }
 };
 
 // FlashMaskPolicy as the consumers use it (ForWarps): they call the policy in full warps, so the
@@ -228,6 +247,7 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
 
   __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
     this->key_block_range_rows_warps(row0, n_min, n_max);
+    this->prefetch_range_ends(n_min, n_max);
   }
   // next_block's walk on the bits: the highest kept block in [n_min, n), else n_min (visited
   // whatever its class, as in the serial walk: a stream-K piece's n_min may be skipped).
@@ -255,7 +275,10 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0, int n) const {
     Policy::Base::apply_rows(scores, coords, row0, n);
-    if (partial(row0, n)) this->apply_partial(scores, coords, row0, n);
+    if (partial(row0, n)) {
+      if (n > 0) this->prefetch_columns(n - 1);  // a partial block's neighbour is often partial
+      this->apply_partial(scores, coords, row0, n);
+    }
   }
 };
 
@@ -281,6 +304,7 @@ struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
     static_assert(kCols <= 32 && kCols % kTurn == 0, "one 32-bit word of column bits per row");
     Policy::Base::apply_rows(scores, coords, row0, n);
     if (this->block_class(row0, n) != kFmPartial) return;
+    if (n > 0) this->prefetch_columns(n - 1);  // a partial block's neighbour is often partial
     const int col0 = n * kBlockN;
     uint32_t bits[kRows];
     CUTE_UNROLL
@@ -317,6 +341,7 @@ struct WarpRange : Policy {
       : Policy(p, seq, head, batch) {}
   __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
     this->key_block_range_rows_warps(row0, n_min, n_max);
+    this->prefetch_range_ends(n_min, n_max);
   }
 };
 
