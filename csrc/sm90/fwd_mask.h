@@ -169,24 +169,50 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     return Base::needs_mask_rows(row0, n) || block_class(row0, n) == kFmPartial;
   }
 
-  // The usual mask, then for a partial block the interval test per score: each column's bounds
-  // once per thread (__ldg, through L1), tested against the thread's rows. Columns at or past
-  // seqlen_k are masked by the usual rule already (and have no bounds to read there).
+  // The usual mask, then for a partial block the interval test per score (apply_partial).
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0, int n) const {
     using namespace cute;
     Base::apply_rows(scores, coords, row0, n);
     if (block_class(row0, n) == kFmPartial) apply_partial(scores, coords, row0, n);
   }
+
+  // Key block n's column bounds in this warp's slot of shared memory (full warps only): each lane
+  // loads kBlockN / 32 columns, all issued before any is used (one L2 round trip per partial
+  // block), and the test reads them from the slot. Read straight from global memory instead, a
+  // thread's 32 columns were loaded ~4 at a time, each round an L2 round trip: a tile whose rows
+  // straddle a document's end (all of its blocks partial) ran at ~17k cycles per block, 5-7x the
+  // pace (docs/perf-notes.md, Sessions 33-34). A slot per consumer warp (kBlockM = 128: 8 warps,
+  // 8 x kBlockN x 16 bytes); columns at or past seqlen_k hold zeros (never read: the usual rule
+  // masks them).
+  __device__ __forceinline__ const int4* stage_columns(int n) const {
+    static_assert(kBlockM == 128 && kBlockN % 32 == 0, "a slot per consumer warp (8), a column per lane and turn");
+    constexpr int kPerLane = kBlockN / 32;
+    __shared__ int4 slots[8][kBlockN];
+    const int lane = int(threadIdx.x % 32), col0 = n * kBlockN;
+    int4* slot = slots[(threadIdx.x / 32) % 8];  // consumer warps 4..11: distinct slots
+    int4 v[kPerLane];
+    CUTE_UNROLL
+    for (int i = 0; i < kPerLane; ++i) {
+      const int col = col0 + 32 * i + lane;
+      v[i] = col < this->seqlen_k ? __ldg(nb + col) : make_int4(0, 0, 0, 0);
+    }
+    __syncwarp();  // every lane done reading the slot's previous block
+    CUTE_UNROLL
+    for (int i = 0; i < kPerLane; ++i) slot[32 * i + lane] = v[i];
+    __syncwarp();
+    return slot;
+  }
+
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply_partial(TensorS& scores, const TensorC& coords, int row0, int n) const {
     using namespace cute;
-    const int col0 = n * kBlockN;
+    const int4* slot = stage_columns(n);
     CUTE_UNROLL
     for (int c = 0; c < size<1>(scores); ++c) {
-      const int col = col0 + get<1>(coords(0, c));
-      if (col >= this->seqlen_k) continue;
-      const int4 bounds = __ldg(nb + col);
+      const int col = get<1>(coords(0, c));  // within the block
+      if (n * kBlockN + col >= this->seqlen_k) continue;
+      const int4 bounds = slot[col];
       CUTE_UNROLL
       for (int r = 0; r < size<0>(scores); ++r) {
         if (fm_masked(bounds, row0 + get<0>(coords(r, 0)))) scores(r, c) = -INFINITY;
@@ -283,11 +309,10 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
 };
 
 // FlashMaskPolicy for consumers short of registers (d = 256: O alone takes 128 per thread). The
-// plain apply_rows loads all of a thread's columns' bounds (16 int4 at kBlockN = 64), which ptxas
-// issued together and spilled for; here they are read 4 columns per turn of a rolled loop and
-// reduced at once to one bit per (row, column), and the scores are masked from those bits: at
-// most 16 registers of bounds in flight, kBlockN / 4 L1 loads per partial block as before. It
-// keeps no class cache (two more registers).
+// plain apply_partial reads all of a thread's columns' bounds (16 int4 at kBlockN = 64) from the
+// warp's slot at once, which ptxas spilled for; here they are read 4 columns per turn of a rolled
+// loop and reduced at once to one bit per (row, column), and the scores are masked from those
+// bits: at most 16 registers of bounds in flight. It keeps no class cache (two more registers).
 template <int kBlockM, int kBlockN>
 struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
   using Policy = FlashMaskPolicy<kBlockM, kBlockN, false>;
@@ -305,6 +330,7 @@ struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
     Policy::Base::apply_rows(scores, coords, row0, n);
     if (this->block_class(row0, n) != kFmPartial) return;
     if (n > 0) this->prefetch_columns(n - 1);  // a partial block's neighbour is often partial
+    const int4* slot = this->stage_columns(n);
     const int col0 = n * kBlockN;
     uint32_t bits[kRows];
     CUTE_UNROLL
@@ -313,9 +339,9 @@ struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
     for (int c0 = 0; c0 < kCols; c0 += kTurn) {
       CUTE_UNROLL
       for (int i = 0; i < kTurn; ++i) {
-        const int col = col0 + get<1>(coords(0, c0 + i));
-        if (col >= this->seqlen_k) continue;  // masked by the usual rule; no bounds there
-        const int4 bounds = __ldg(this->nb + col);
+        const int col = get<1>(coords(0, c0 + i));  // within the block
+        if (col0 + col >= this->seqlen_k) continue;  // masked by the usual rule; no bounds there
+        const int4 bounds = slot[col];
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           bits[r] |= uint32_t(fm_masked(bounds, row0 + get<0>(coords(r, 0)))) << (c0 + i);
