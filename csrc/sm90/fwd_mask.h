@@ -309,10 +309,11 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
 };
 
 // FlashMaskPolicy for consumers short of registers (d = 256: O alone takes 128 per thread). The
-// plain apply_partial reads all of a thread's columns' bounds (16 int4 at kBlockN = 64) from the
-// warp's slot at once, which ptxas spilled for; here they are read 4 columns per turn of a rolled
-// loop and reduced at once to one bit per (row, column), and the scores are masked from those
-// bits: at most 16 registers of bounds in flight. It keeps no class cache (two more registers).
+// plain apply_partial reads all of a thread's columns' bounds (16 int4 at kBlockN = 64) unrolled,
+// which ptxas issued together and spilled for (then from global memory); here they are read from
+// the warp's slot 4 columns per turn of a rolled loop and reduced at once to one bit per (row,
+// column), and the scores are masked from those bits: at most 16 registers of bounds in flight.
+// It keeps no class cache (two more registers).
 template <int kBlockM, int kBlockN>
 struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
   using Policy = FlashMaskPolicy<kBlockM, kBlockN, false>;
