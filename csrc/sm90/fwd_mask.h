@@ -254,8 +254,12 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
   using ForWarps = FlashMaskPolicyWarps;
   // Blocks [win_lo, win_lo + 32): bit i of win_skip / win_part says block win_lo + i is skipped /
   // partial (blocks below 0 count as skipped; no walk reaches them).
+  // win_need: block win_lo + i needs the elementwise mask (partial, or the usual rule's diagonal /
+  // seqlen_k edge), so needs_mask_rows is one bit test: computed per block, the usual rule's test
+  // and the partial bit cost ~14k of the steady loop's 152k stall samples against causal's ~0
+  // (ncu, nothing masked, 16k; docs/perf-notes.md, Session 34).
   mutable int win_lo = -(1 << 30);
-  mutable unsigned win_skip = 0u, win_part = 0u;
+  mutable unsigned win_skip = 0u, win_part = 0u, win_need = 0u;
 
   __device__ __forceinline__ void load_window(int row0, int top) const {
     win_lo = top - 31;
@@ -264,6 +268,7 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
                                                  min(row0 + kBlockM, this->seqlen_q));
     win_skip = __ballot_sync(0xffffffffu, c == kFmSkip);
     win_part = __ballot_sync(0xffffffffu, c == kFmPartial);
+    win_need = __ballot_sync(0xffffffffu, c == kFmPartial || (n >= 0 && Policy::Base::needs_mask_rows(row0, n)));
   }
   __device__ __forceinline__ bool in_window(int n) const { return unsigned(n - win_lo) < 32u; }
   __device__ __forceinline__ bool partial(int row0, int n) const {
@@ -296,7 +301,8 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
     return n;
   }
   __device__ __forceinline__ bool needs_mask_rows(int row0, int n) const {
-    return Policy::Base::needs_mask_rows(row0, n) || partial(row0, n);
+    if (!in_window(n)) load_window(row0, n);
+    return (win_need >> (n - win_lo)) & 1u;
   }
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0, int n) const {
