@@ -256,8 +256,8 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
   // partial (blocks below 0 count as skipped; no walk reaches them).
   // win_need: block win_lo + i needs the elementwise mask (partial, or the usual rule's diagonal /
   // seqlen_k edge), so needs_mask_rows is one bit test: computed per block, the usual rule's test
-  // and the partial bit cost ~14k of the steady loop's 152k stall samples against causal's ~0
-  // (ncu, nothing masked, 16k; docs/perf-notes.md, Session 34).
+  // and the partial bit put ~14k more of the steady loop's 152k stall samples between S and the
+  // softmax than causal's loop has there (ncu, nothing masked, 16k; docs/perf-notes.md, Session 34).
   mutable int win_lo = -(1 << 30);
   mutable unsigned win_skip = 0u, win_part = 0u, win_need = 0u;
 
