@@ -220,12 +220,12 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     }
   }
 
-  // Key block n's column bounds (kBlockN int4: kBlockN / 8 lines of 128 bytes, a lane each) into
-  // L1 ahead of a partial test (full warps). Without it each of a thread's 32 bound loads missed
-  // L1 and waited on the previous one: ~376 cycles each, so a tile whose rows straddle a
-  // document's end (all of its blocks partial) ran at ~17k cycles per block (ncu and the trace,
-  // docs/perf-notes.md, Session 33). Issued off the walk (next_block): there, the prefetch's
-  // per-lane address put the walk's block index on the vector datapath (R2UR 98 -> 117).
+  // Key block n's column bounds (kBlockN int4: kBlockN / 8 lines of 128 bytes, a lane each) asked
+  // into L1 ahead of stage_columns (full warps). Alone (before the stage) it left the straddling
+  // tiles at ~17k cycles per block, so whether the stage's loads hit L1 through it is not known;
+  // it measured -4% on the causal document mask then (docs/perf-notes.md, Session 34). Issued off
+  // the walk (next_block): there, the prefetch's per-lane address put the walk's block index on
+  // the vector datapath (R2UR 98 -> 117).
   __device__ __forceinline__ void prefetch_columns(int n) const {
     const int lane = int(threadIdx.x % 32);
     if (lane < kBlockN / 8) asm volatile("prefetch.global.L1 [%0];" ::"l"(nb + n * kBlockN + lane * 8));
