@@ -58,6 +58,12 @@ void launch_fwd(const FwdParams& p, const Sm90FwdConfig& config, cudaStream_t st
                                Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
   }
 
+  // The FlashMask consumers' bound slots are static shared memory beside the dynamic storage that
+  // kernel_traits.h budgets: both must fit (fwd_mask.h, stage_columns).
+  if constexpr (Mask::kIsFlashMask) {
+    static_assert(Traits::kSmemBytes + Mask::kStaticSmemBytes <= Traits::kSmemLimit,
+                  "FlashMask forward: dynamic + static shared memory over the 227 KB limit");
+  }
   auto kernel = &fwd_kernel<FwdMainloop<Traits, kLoopFor<Traits::kHeadDim>>, Mask, FwdEpilogue<Traits>,
                             TileScheduler<Traits::kBlockM, Traits::kBlockN, kMasked, Mask::kIsFlashMask>>;
   constexpr int smem = Traits::kSmemBytes;

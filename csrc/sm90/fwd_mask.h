@@ -37,7 +37,9 @@ struct CausalLocalMask : BlockMask<kBlockM, kBlockN, kHasWindow> {
 // after the usual mask. Each side computes a block's class from the summaries instead of having
 // it handed from producer to consumers: this policy is the producer's (one thread: a block at a
 // time, two 16-byte loads that hit L1/L2; with kCacheClass the class last computed is kept), and
-// ForWarps (FlashMaskPolicyWarps, below) the consumers', which classify 32 blocks per ballot.
+// ForWarps (FlashMaskPolicyWarps, below) the consumers', which classify 32 blocks per ballot. The
+// masks (apply_rows, apply_partial) are the consumers' only: they stage bounds per warp (full
+// warps); the producer never masks.
 // Tiles start at row 0 (no row shift). Rows are the query rows of the sequence.
 template <int kBlockM, int kBlockN>
 struct FlashMaskPolicyWarps;
@@ -49,6 +51,7 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   using Base = BlockMask<kBlockM, kBlockN, true>;
   static constexpr bool kVisitsEveryBlock = false;
   static constexpr bool kIsFlashMask = true;  // the tile scheduler may drop its sections (p.fm)
+  static constexpr int kStaticSmemBytes = 8 * kBlockN * int(sizeof(int4));  // stage_columns' slots
   using ForWarps = FlashMaskPolicyWarps<kBlockM, kBlockN>;
 
   const int4* nb;   // this tile's (mask head, batch row): normalized bounds of column 0
@@ -178,8 +181,8 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   }
 
   // Key block n's column bounds in this warp's slot of shared memory (full warps only): each lane
-  // loads kBlockN / 32 columns, all issued before any is used (one L2 round trip per partial
-  // block), and the test reads them from the slot. Read straight from global memory instead, a
+  // loads kBlockN / 32 columns, all issued before any is used (one L2 round trip per warp and
+  // partial block; the 8 warps load the same bounds), and the test reads them from the slot. Read straight from global memory instead, a
   // thread's 32 columns were loaded ~4 at a time, each round an L2 round trip: a tile whose rows
   // straddle a document's end (all of its blocks partial) ran at ~17k cycles per block, 5-7x the
   // pace (docs/perf-notes.md, Sessions 33-34). A slot per consumer warp (kBlockM = 128: 8 warps,
@@ -189,6 +192,7 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     static_assert(kBlockM == 128 && kBlockN % 32 == 0, "a slot per consumer warp (8), a column per lane and turn");
     constexpr int kPerLane = kBlockN / 32;
     __shared__ int4 slots[8][kBlockN];
+    static_assert(sizeof(slots) == kStaticSmemBytes, "the launch's shared-memory check counts these");
     const int lane = int(threadIdx.x % 32), col0 = n * kBlockN;
     int4* slot = slots[(threadIdx.x / 32) % 8];  // consumer warps 4..11: distinct slots
     int4 v[kPerLane];
@@ -220,8 +224,9 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     }
   }
 
-  // Key block n's column bounds (kBlockN int4: kBlockN / 8 lines of 128 bytes, a lane each) asked
-  // into L1 ahead of stage_columns (full warps). Alone (before the stage) it left the straddling
+  // Key block n's column bounds (kBlockN int4: kBlockN / 8 lines of 128 bytes, a lane each; a
+  // varlen sequence's columns need not start on a line, and then the block's last line is not
+  // asked for) asked into L1 ahead of stage_columns (full warps). Alone (before the stage) it left the straddling
   // tiles at ~17k cycles per block, so whether the stage's loads hit L1 through it is not known;
   // it measured -4% on the causal document mask then (docs/perf-notes.md, Session 34). Issued off
   // the walk (next_block): there, the prefetch's per-lane address put the walk's block index on
@@ -241,8 +246,8 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
 };
 
 // FlashMaskPolicy as the consumers use it (ForWarps): they call the policy in full warps, so the
-// classes of 32 key blocks at a time are found by one load per lane and two ballots, kept as bit
-// words (CTA-uniform), and the walk (next_block) and the masks read the class from those bits:
+// classes of 32 key blocks at a time are found by one summary pair per lane and three ballots
+// (skipped, partial, needs the mask), kept as bit words (CTA-uniform), and the walk (next_block) and the masks read the class from those bits:
 // no load and compare chain in the step's loop header (ncu: in the FlashMask forward with nothing
 // masked beyond causal, that chain cost 17% over causal; docs/perf-notes.md, "the forward's
 // class window"). The range's ends: key_block_range_rows_warps. The producer keeps the serial
@@ -347,7 +352,7 @@ struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
       CUTE_UNROLL
       for (int i = 0; i < kTurn; ++i) {
         const int col = get<1>(coords(0, c0 + i));  // within the block
-        if (col0 + col >= this->seqlen_k) continue;  // masked by the usual rule; no bounds there
+        if (col0 + col >= this->seqlen_k) continue;  // masked by the usual rule; not staged
         const int4 bounds = slot[col];
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
