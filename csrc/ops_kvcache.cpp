@@ -276,6 +276,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
       dev.dram_bytes_per_s);
   p.num_splits = config.splits;
   p.ring_stages = config.ring_stages;
+  p.pdl = dev.major >= 9 && tuning_overrides().decode_pdl != 0;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
   at::Tensor partials, arrivals;  // alive until the launch is queued
   if (p.num_splits > 1) {

@@ -200,7 +200,7 @@ def test_sm90_refuses_unsupported(case):
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_sm90_bwd_cuda_graph_replay(varlen):
     """The backward's three kernels (preprocess, main, dQ convert; the later two launched as
-    programmatic dependents, sm90/pdl.h) capture in a CUDA graph, and replays on new inputs give
+    programmatic dependents, common/pdl.h) capture in a CUDA graph, and replays on new inputs give
     the eager gradients: bitwise in deterministic mode, within the dQ reductions' order otherwise."""
     ops = torch.ops.flash_ext
     dt, d = built_dtype(), 128

@@ -27,6 +27,7 @@ SWITCHES = {  # name -> (default, another allowed value)
     "FLASH_EXT_SM90_BWD_LPT": ("auto", "1"),
     "FLASH_EXT_SM90_FM_FWD_SECTIONS": ("auto", "rule"),
     "FLASH_EXT_SM90_FM_FWD_TILES": ("auto", "scan"),
+    "FLASH_EXT_DECODE_PDL": ("auto", "0"),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

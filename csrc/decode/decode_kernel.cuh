@@ -22,6 +22,7 @@
 #include "common/combine.h"
 #include "common/copy.h"
 #include "common/fragment.h"
+#include "common/pdl.h"
 #include "common/rotary.h"
 #include "common/softmax.h"
 #include "decode/decode_params.h"
@@ -74,6 +75,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   constexpr bool kQInRegisters = kHeadDim <= 128;
 
   extern __shared__ __align__(128) char smem_raw[];
+  pdl_wait();  // launched with PDL (p.pdl): the cache, its lengths and Q may come from the kernel before
 
   const int m_blocks = (p.packed_rows + kBlockM - 1) / kBlockM;
   const int m_block = blockIdx.x % m_blocks;

@@ -6,6 +6,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "common/kernel_smem.h"
+#include "common/pdl.h"
 #include "decode/decode_kernel.cuh"
 #include "dispatch/decode_dispatch.h"
 
@@ -22,7 +23,11 @@ void launch_decode(const DecodeParams& p, cudaStream_t stream) {
   }
   const int m_blocks = (p.packed_rows + kDecodeBlockM - 1) / kDecodeBlockM;
   const dim3 grid(m_blocks * p.num_splits, p.heads_kv, p.batch);
-  kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
+  if (p.pdl) {
+    launch_with_pdl(kernel, grid, dim3(Traits::kNThreads), smem, stream, p);
+  } else {
+    kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
+  }
 }
 
 template <int kHeadDim, bool kIsBf16>

@@ -81,6 +81,9 @@ struct DecodeParams {
   // ring (several CTAs per SM, for grids that fill the GPU) or a deep one (one CTA per SM with
   // more blocks in flight, for small grids), chosen by tuning/heuristics.cpp.
   int ring_stages = 2;
+  // Launched with programmatic dependent launch (common/pdl.h; sm90+): the grid is scheduled as
+  // the kernel before it drains, and waits for it before its first read.
+  bool pdl = false;
 };
 
 // Rows of one decode tile (packed (token, query head) pairs) and the depths of the shared-memory

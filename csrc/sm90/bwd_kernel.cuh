@@ -35,7 +35,7 @@
 #include "sm90/bwd_kernel_traits.h"
 #include "sm90/bwd_pre_post_kernels.cuh"
 #include "sm90/bwd_tile_order.h"
-#include "sm90/pdl.h"
+#include "common/pdl.h"
 #include "sm90/warpgroup.h"
 
 namespace flash_ext::sm90 {

@@ -9,7 +9,7 @@
 #include "dispatch/bwd_dispatch.h"
 #include "error.h"
 #include "sm90/bwd_kernel.cuh"
-#include "sm90/pdl.h"
+#include "common/pdl.h"
 #include "sm90/tensor_map_encode.h"
 
 namespace flash_ext {
@@ -17,7 +17,7 @@ namespace flash_ext {
 namespace sm90 {
 
 // after_preprocess: the preprocess kernel was launched just before, and this launch may overlap its
-// last wave (sm90/pdl.h).
+// last wave (common/pdl.h).
 template <typename Traits, bool kHasWindow, bool kGroupLoop, bool kVarlen, bool kFlashMask, bool kDeterministic = false>
 void launch_bwd(BwdParams& p, cudaStream_t stream, bool after_preprocess) {
   using Args = BwdArgs<Traits>;
@@ -149,7 +149,7 @@ void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     }
   }
   const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads_q, p.batch);
-  sm90::launch_with_pdl(&sm90::bwd_dq_convert_kernel<Traits, false>, grid, dim3(Traits::kMmaThreads), 0, stream, p);
+  launch_with_pdl(&sm90::bwd_dq_convert_kernel<Traits, false>, grid, dim3(Traits::kMmaThreads), 0, stream, p);
 }
 
 }  // namespace flash_ext

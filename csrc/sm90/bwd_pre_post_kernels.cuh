@@ -12,7 +12,7 @@
 #include <cmath>
 
 #include "params.h"
-#include "sm90/pdl.h"
+#include "common/pdl.h"
 
 namespace flash_ext::sm90 {
 
@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const __grid_consta
   constexpr int kThreadsPerRow = kHeadDim / 8;
   static_assert(kThreadsPerRow <= 32 && 32 % kThreadsPerRow == 0, "a row's threads are lanes of one warp");
   constexpr int kRowsPerCta = 256 / kThreadsPerRow;
-  pdl_launch_dependents();  // the main kernel's launch and prologue overlap the last wave (sm90/pdl.h)
+  pdl_launch_dependents();  // the main kernel's launch and prologue overlap the last wave (common/pdl.h)
   const int head = blockIdx.y, batch = blockIdx.z;
   const int t = threadIdx.x % kThreadsPerRow;
   const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow;

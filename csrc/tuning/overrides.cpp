@@ -27,6 +27,7 @@ enum Switch {
   kSm90BwdLpt,
   kSm90FmFwdSections,
   kSm90FmFwdTiles,
+  kDecodePdl,
   kSwitches
 };
 
@@ -49,6 +50,7 @@ constexpr SwitchSpec kSpecs[kSwitches] = {
     {"FLASH_EXT_SM90_BWD_LPT", {"auto", "0", "1", nullptr}},
     {"FLASH_EXT_SM90_FM_FWD_SECTIONS", {"auto", "rule", "one", nullptr}},
     {"FLASH_EXT_SM90_FM_FWD_TILES", {"auto", "scan", "table", nullptr}},
+    {"FLASH_EXT_DECODE_PDL", {"auto", "0", "1", nullptr}},
 };
 
 // The index of `value` among the switch's spellings ("" = the default); raises on others.
@@ -118,6 +120,7 @@ TuningOverrides tuning_overrides() {
   o.sm90_bwd_lpt = tristate_of(at(kSm90BwdLpt));
   o.sm90_fm_fwd_sections = tristate_of(at(kSm90FmFwdSections));
   o.sm90_fm_fwd_tiles = tristate_of(at(kSm90FmFwdTiles));
+  o.decode_pdl = tristate_of(at(kDecodePdl));
   return o;
 }
 

@@ -47,6 +47,9 @@ struct TuningOverrides {
   // (flashmask/flashmask_fwd_tiles.h: longest walk first), scan from the summaries in the kernel,
   // query blocks in descending order (-1 auto, 0 scan, 1 table).
   int sm90_fm_fwd_tiles = -1;
+  // FLASH_EXT_DECODE_PDL = auto | 0 | 1: the decode kernel launched with programmatic dependent
+  // launch (common/pdl.h) on sm90+ (-1 auto: on; 1 on sm80-89 is ignored, PDL needs sm90).
+  int decode_pdl = -1;
 };
 
 // The overrides in force now (the environment's, as changed by set_tuning). Cheap: a few

@@ -1,15 +1,16 @@
-// Programmatic dependent launch (PDL) between the Hopper backward's three kernels (preprocess ->
-// main -> dQ convert): a kernel launched by launch_with_pdl may be scheduled while the kernel
-// before it in the stream still runs, so its launch and prologue hide under that kernel's last
-// wave. Its threads call pdl_wait() before they touch what the kernel before wrote (or read);
-// that kernel calls pdl_launch_dependents() to let the next one in (otherwise it is let in as
-// its CTAs exit). A kernel launched without the attribute passes pdl_wait() at once.
+// Programmatic dependent launch (PDL; sm90+): a kernel launched by launch_with_pdl may be
+// scheduled while the kernel before it in the stream still runs, so its launch and prologue hide
+// under that kernel's last wave (the Hopper backward's preprocess -> main -> dQ convert; the
+// decode kernel after whatever came before it). Its threads call pdl_wait() before they touch
+// what the kernel before wrote (or read); that kernel calls pdl_launch_dependents() to let the
+// next one in (otherwise it is let in as its CTAs exit). A kernel launched without the attribute
+// passes pdl_wait() at once.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <utility>
 
-namespace flash_ext::sm90 {
+namespace flash_ext {
 
 // Waits until the grid this one depends on has completed and its writes are visible.
 __device__ __forceinline__ void pdl_wait() {
@@ -44,4 +45,4 @@ void launch_with_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_
   cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-}  // namespace flash_ext::sm90
+}  // namespace flash_ext
