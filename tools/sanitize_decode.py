@@ -15,7 +15,7 @@ def main():
     b, hq, hkv, d, cap = 3, 8, 2, 128, 640
     for page in (None, 16, 64):  # pages of 16: four per 64-key block
         paged = page is not None
-        for splits in (1, 0, 5):
+        for splits in (1, 0, 5, 64):  # 64: the merge in several passes
             q = torch.randn(b, 2, hq, d, device=dev, dtype=dt)
             k = torch.randn(b, 2, hkv, d, device=dev, dtype=dt)
             v = torch.randn(b, 2, hkv, d, device=dev, dtype=dt)
