@@ -186,8 +186,8 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   // thread's 32 columns were loaded ~4 at a time, each round an L2 round trip: a tile whose rows
   // straddle a document's end (all of its blocks partial) ran at ~17k cycles per block, 5-7x the
   // pace (docs/perf-notes.md, Sessions 33-34). A slot per consumer warp (kBlockM = 128: 8 warps,
-  // 8 x kBlockN x 16 bytes); columns at or past seqlen_k hold zeros (never read: the usual rule
-  // masks them).
+  // 8 x kBlockN x 16 bytes); columns at or past seqlen_k hold zeros (fm_masked: not masked; the
+  // usual rule has masked them).
   __device__ __forceinline__ const int4* stage_columns(int n) const {
     static_assert(kBlockM == 128 && kBlockN % 32 == 0, "a slot per consumer warp (8), a column per lane and turn");
     constexpr int kPerLane = kBlockN / 32;
@@ -212,11 +212,11 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   __device__ __forceinline__ void apply_partial(TensorS& scores, const TensorC& coords, int row0, int n) const {
     using namespace cute;
     const int4* slot = stage_columns(n);
+    // Columns at or past seqlen_k are staged as zeros, which fm_masked never masks (the usual rule
+    // has masked them): no test per column, so the slot's loads are not each behind a branch.
     CUTE_UNROLL
     for (int c = 0; c < size<1>(scores); ++c) {
-      const int col = get<1>(coords(0, c));  // within the block
-      if (n * kBlockN + col >= this->seqlen_k) continue;
-      const int4 bounds = slot[col];
+      const int4 bounds = slot[get<1>(coords(0, c))];  // the column within the block
       CUTE_UNROLL
       for (int r = 0; r < size<0>(scores); ++r) {
         if (fm_masked(bounds, row0 + get<0>(coords(r, 0)))) scores(r, c) = -INFINITY;
@@ -247,7 +247,7 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
 
 // FlashMaskPolicy as the consumers use it (ForWarps): they call the policy in full warps, so the
 // classes of 32 key blocks at a time are found by one summary pair per lane and three ballots
-// (skipped, partial, needs the mask), kept as bit words (CTA-uniform), and the walk (next_block) and the masks read the class from those bits:
+// (skipped, partial, needs the usual rule's mask), kept as bit words (CTA-uniform), and the walk (next_block) and the masks read the class from those bits:
 // no load and compare chain in the step's loop header (ncu: in the FlashMask forward with nothing
 // masked beyond causal, that chain cost 17% over causal; docs/perf-notes.md, "the forward's
 // class window"). The range's ends: key_block_range_rows_warps. The producer keeps the serial
@@ -259,12 +259,13 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
   using ForWarps = FlashMaskPolicyWarps;
   // Blocks [win_lo, win_lo + 32): bit i of win_skip / win_part says block win_lo + i is skipped /
   // partial (blocks below 0 count as skipped; no walk reaches them).
-  // win_need: block win_lo + i needs the elementwise mask (partial, or the usual rule's diagonal /
-  // seqlen_k edge), so needs_mask_rows is one bit test: computed per block, the usual rule's test
-  // and the partial bit put ~14k more of the steady loop's 152k stall samples between S and the
-  // softmax than causal's loop has there (ncu, nothing masked, 16k; docs/perf-notes.md, Session 34).
+  // win_base: block win_lo + i needs the usual rule's mask (diagonal / seqlen_k edge). So
+  // needs_mask_rows is one bit test (computed per block, the usual rule's test and the partial
+  // bit put ~14k more of the steady loop's 152k stall samples between S and the softmax than
+  // causal's loop has there; ncu, nothing masked, 16k; docs/perf-notes.md, Session 34), and a
+  // partial block off the diagonal skips the usual rule's pass over its scores.
   mutable int win_lo = -(1 << 30);
-  mutable unsigned win_skip = 0u, win_part = 0u, win_need = 0u;
+  mutable unsigned win_skip = 0u, win_part = 0u, win_base = 0u;
 
   __device__ __forceinline__ void load_window(int row0, int top) const {
     win_lo = top - 31;
@@ -273,7 +274,7 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
                                                  min(row0 + kBlockM, this->seqlen_q));
     win_skip = __ballot_sync(0xffffffffu, c == kFmSkip);
     win_part = __ballot_sync(0xffffffffu, c == kFmPartial);
-    win_need = __ballot_sync(0xffffffffu, c == kFmPartial || (n >= 0 && Policy::Base::needs_mask_rows(row0, n)));
+    win_base = __ballot_sync(0xffffffffu, n >= 0 && Policy::Base::needs_mask_rows(row0, n));
   }
   __device__ __forceinline__ bool in_window(int n) const { return unsigned(n - win_lo) < 32u; }
   __device__ __forceinline__ bool partial(int row0, int n) const {
@@ -307,12 +308,13 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
   }
   __device__ __forceinline__ bool needs_mask_rows(int row0, int n) const {
     if (!in_window(n)) load_window(row0, n);
-    return (win_need >> (n - win_lo)) & 1u;
+    return ((win_part | win_base) >> (n - win_lo)) & 1u;
   }
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply_rows(TensorS& scores, const TensorC& coords, int row0, int n) const {
-    Policy::Base::apply_rows(scores, coords, row0, n);
-    if (partial(row0, n)) {
+    if (!in_window(n)) load_window(row0, n);
+    if ((win_base >> (n - win_lo)) & 1u) Policy::Base::apply_rows(scores, coords, row0, n);
+    if ((win_part >> (n - win_lo)) & 1u) {
       if (n > 0) this->prefetch_columns(n - 1);  // a partial block's neighbour is often partial
       this->apply_partial(scores, coords, row0, n);
     }
