@@ -367,7 +367,22 @@ struct FwdMainloop {
           scores_to_probs(acc_s, n_block, cute::true_type{});
           convert_into(rP, acc_s);
         }
-        for (n_block = mask.next_block(row0, n_block, n_min); n_block >= n_min; n_block = mask.next_block(row0, n_block, n_min)) {
+        // A mask that skips blocks (FlashMask) walks to the block after this one while this one's
+        // GEMMs run: its walk (the window's bits, a redux) is a chain of dependent instructions
+        // that, in the loop's header, sat between the softmax and the next GEMMs' issue (ncu,
+        // nothing masked beyond causal: ~9% of the loop's stall samples). Its K and V come next
+        // from the pipeline whatever their index, and n_min is always visited, so only the mask
+        // needs the index, after S. Every-block masks keep n - 1 in the header.
+        constexpr bool kWalkAhead = !Mask::kVisitsEveryBlock;
+        int n_next = 0;
+        auto advance = [&](int n) __attribute__((always_inline)) {
+          if constexpr (kWalkAhead) {
+            return n_next;
+          } else {
+            return mask.next_block(row0, n, n_min);
+          }
+        };
+        for (n_block = mask.next_block(row0, n_block, n_min); n_block >= n_min; n_block = advance(n_block)) {
           Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
           pipeline_k.consumer_wait(read_k);
           pipeline_v.consumer_wait(read_v);
@@ -375,6 +390,7 @@ struct FwdMainloop {
           warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
           warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
           turn_end();
+          if constexpr (kWalkAhead) n_next = mask.next_block(row0, n_block, n_min);
           warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
           warpgroup_fence_operand(acc_s);
           pipeline_k.consumer_release(read_k);
