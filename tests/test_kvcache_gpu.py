@@ -208,32 +208,34 @@ def test_split_merge_counters_reused_across_calls_and_streams(ring, tuning):
 
 
 @pytest.mark.parametrize("pdl", ["0", "1"])
-def test_decode_waits_for_the_kernel_before(pdl, tuning, monkeypatch):
-    """With programmatic dependent launch (FLASH_EXT_DECODE_PDL, common/pdl.h; sm90+) the decode
-    grid is scheduled while the kernel before it still runs: it must read nothing before that
-    kernel is done. Each call follows, with no sync in between (no value checks), copies that
-    rewrite its Q, lengths and whole cache, V's the last (~30 us); every output is the
-    reference's for the new contents."""
+def test_decode_after_kernels_that_write_its_inputs(pdl, tuning, monkeypatch):
+    """FLASH_EXT_DECODE_PDL off and on (common/pdl.h; on sm90+ with sm90 PTX the decode grid is
+    scheduled while the kernel before it drains and waits for it): each call follows, with no
+    sync in between (no value checks), kernels that rewrite its Q, lengths and whole cache
+    (dtype conversions, not copies: V's is the kernel right before the call); every output is
+    the reference's for the new contents. (A missing wait would show only after a kernel that
+    lets its dependents in early, which these do not.)"""
     tuning.set("FLASH_EXT_DECODE_PDL", pdl)
     monkeypatch.setattr(V, "CHECK_KVCACHE_VALUES", False)
-    kw = _to_cuda(make_case(b=2, sq=1, hq=32, hkv=8, d=128, capacity=32768, s_new=0,
+    cap = 8192
+    kw = _to_cuda(make_case(b=2, sq=1, hq=32, hkv=8, d=128, capacity=cap, s_new=0,
                             dtype=torch.bfloat16, seed=90))
     g = torch.Generator(device="cuda").manual_seed(1)
     steps = []
     for i in range(4):
-        new = {n: torch.randn(kw[n].shape, generator=g, device="cuda").to(kw[n].dtype) for n in ("q",)}
-        new["cache_seqlens"] = torch.tensor([32768 - 100 * i, 5000 + 3 * i], dtype=torch.int32, device="cuda")
+        new = {"q": torch.randn(kw["q"].shape, generator=g, device="cuda"),  # fp32: copy_ converts
+               "cache_seqlens": torch.tensor([cap - 100 * i, 5000 + 3 * i], device="cuda")}  # int64
         for n in ("k_cache", "v_cache"):
-            new[n] = torch.randn(kw[n].shape, generator=g, device="cuda").to(kw[n].dtype)
+            new[n] = torch.randn(kw[n].shape, generator=g, device="cuda")
         steps.append(new)
     torch.cuda.synchronize()
     outs = []
     for new in steps:
-        for n, t in new.items():  # V's copy is the kernel right before the call's
+        for n, t in new.items():
             kw[n].copy_(t)
         outs.append(flash_ext.flash_attn_with_kvcache(**kw, num_splits=0, return_softmax_lse=True))
     for new, (out, lse) in zip(steps, outs):
-        step_kw = dict(kw, **new)
+        step_kw = dict(kw, **{n: t.to(kw[n].dtype) for n, t in new.items()})
         ref_out, ref_lse, _, _ = R.kvcache_attention(**step_kw)
         low_out, _, _, _ = R.kvcache_attention(**step_kw, upcast=False)
         check_attention(step_kw, out, lse, ref_out, ref_lse, low_out)

@@ -8,6 +8,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <set>
 #include <utility>
 
 namespace flash_ext {
@@ -25,6 +27,28 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// Whether `kernel`'s code on the current device has its pdl_wait(): only code made from sm90+ PTX
+// does (below it pdl_wait compiles to nothing). A kernel family compiled once from compute_80 PTX
+// for every target (the default build's decode kernels, build_support/build_config.py one_ptx)
+// runs on a Hopper without the wait, and must not be launched with PDL there. Cached per
+// (kernel, device); a failed query counts as no wait.
+inline bool kernel_has_pdl_wait(const void* kernel) {
+  int device = 0;
+  cudaGetDevice(&device);
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> with, without;
+  const auto key = std::make_pair(kernel, device);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (with.count(key)) return true;
+  if (without.count(key)) return false;
+  cudaFuncAttributes attr{};
+  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess;
+  if (!ok) cudaGetLastError();  // not left for the launch check that follows
+  const bool wait = ok && attr.ptxVersion >= 90;
+  (wait ? with : without).insert(key);
+  return wait;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization allowed.

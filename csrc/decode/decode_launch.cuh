@@ -23,7 +23,7 @@ void launch_decode(const DecodeParams& p, cudaStream_t stream) {
   }
   const int m_blocks = (p.packed_rows + kDecodeBlockM - 1) / kDecodeBlockM;
   const dim3 grid(m_blocks * p.num_splits, p.heads_kv, p.batch);
-  if (p.pdl) {
+  if (p.pdl && kernel_has_pdl_wait(reinterpret_cast<const void*>(kernel))) {
     launch_with_pdl(kernel, grid, dim3(Traits::kNThreads), smem, stream, p);
   } else {
     kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);

@@ -81,8 +81,9 @@ struct DecodeParams {
   // ring (several CTAs per SM, for grids that fill the GPU) or a deep one (one CTA per SM with
   // more blocks in flight, for small grids), chosen by tuning/heuristics.cpp.
   int ring_stages = 2;
-  // Launched with programmatic dependent launch (common/pdl.h; sm90+): the grid is scheduled as
-  // the kernel before it drains, and waits for it before its first read.
+  // Launch with programmatic dependent launch (common/pdl.h; sm90+) where the kernel's code has
+  // its wait (sm90+ PTX; decode_launch.cuh checks): the grid is scheduled as the kernel before it
+  // drains, and waits for it before its first read.
   bool pdl = false;
 };
 

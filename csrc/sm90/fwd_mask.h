@@ -259,7 +259,7 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
   using ForWarps = FlashMaskPolicyWarps;
   // Blocks [win_lo, win_lo + 32): bit i of win_skip / win_part says block win_lo + i is skipped /
   // partial (blocks below 0 count as skipped; no walk reaches them).
-  // win_base: block win_lo + i needs the usual rule's mask (diagonal / seqlen_k edge). So
+  // win_base: block win_lo + i needs the usual rule's mask (a window edge or the seqlen_k edge). So
   // needs_mask_rows is one bit test (computed per block, the usual rule's test and the partial
   // bit put ~14k more of the steady loop's 152k stall samples between S and the softmax than
   // causal's loop has there; ncu, nothing masked, 16k; docs/perf-notes.md, Session 34), and a
@@ -354,7 +354,7 @@ struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
       CUTE_UNROLL
       for (int i = 0; i < kTurn; ++i) {
         const int col = get<1>(coords(0, c0 + i));  // within the block
-        if (col0 + col >= this->seqlen_k) continue;  // masked by the usual rule; not staged
+        if (col0 + col >= this->seqlen_k) continue;  // masked by the usual rule (staged as zeros)
         const int4 bounds = slot[col];
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {

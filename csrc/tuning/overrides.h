@@ -48,7 +48,8 @@ struct TuningOverrides {
   // query blocks in descending order (-1 auto, 0 scan, 1 table).
   int sm90_fm_fwd_tiles = -1;
   // FLASH_EXT_DECODE_PDL = auto | 0 | 1: the decode kernel launched with programmatic dependent
-  // launch (common/pdl.h) on sm90+ (-1 auto: on; 1 on sm80-89 is ignored, PDL needs sm90).
+  // launch (common/pdl.h) on sm90+, where its code was compiled from sm90+ PTX (-1 auto: on;
+  // elsewhere both values launch without it).
   int decode_pdl = -1;
 };
 
