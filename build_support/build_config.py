@@ -25,6 +25,7 @@ Knobs (environment variables):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -107,6 +108,9 @@ class Family:
                every target
     one_ptx:   compile the device code once, for the lowest target's virtual architecture, and
                assemble every target's SASS from that PTX (see family_gencode_flags)
+    sm90_pass: with one_ptx, targets of sm90 and up get their SASS from a second, compute_90
+               pass: code that needs sm90 PTX (the decode kernel's programmatic-dependent-launch
+               wait, common/pdl.h) is then in their SASS
     splits:    kernels the launcher calls but does not compile itself (Split)
     """
 
@@ -117,6 +121,7 @@ class Family:
     dtypes: tuple[str, ...] = ALL_DTYPES
     needs_arch: Optional[str] = None
     one_ptx: bool = False
+    sm90_pass: bool = False
     splits: tuple[Split, ...] = ()
 
 
@@ -163,6 +168,7 @@ FAMILIES: tuple[Family, ...] = (
         function="flash_ext::run_decode<{hdim}, {is_bf16}>(const flash_ext::DecodeParams&, cudaStream_t)",
         hdims=(64, 128, 256),  # other head dims run in the next larger kernel (predicated loads)
         one_ptx=True,
+        sm90_pass=True,
     ),
     Family(
         name="fwd_sm90",
@@ -296,6 +302,9 @@ def family_gencode_flags(family: Family, archs: Sequence[Arch]) -> list[str]:
 
     - A family that needs one target (``needs_arch``, e.g. "90a") compiles for that target only:
       no device pass for the others (its files are empty there).
+    - A ``one_ptx`` family with ``sm90_pass`` does so for its targets below sm90, and runs a
+      second, compute_90 pass for the rest: "80+PTX;90a" gives
+      ``-gencode=arch=compute_80,code=[sm_80,compute_80]`` and ``-gencode=arch=compute_90,code=[sm_90]``.
     - A ``one_ptx`` family (the sm80 kernels: mma.sync, ldmatrix, cp.async, nothing newer) runs
       nvcc's front end and optimizer (cicc, most of a file's compile time) once, for the lowest
       target, and ptxas assembles each target's SASS from that PTX: "80+PTX;90a" gives
@@ -307,6 +316,17 @@ def family_gencode_flags(family: Family, archs: Sequence[Arch]) -> list[str]:
         return gencode_flags([a for a in archs if a.name == family.needs_arch])
     if not family.one_ptx or not archs or not archs[0].name.isdigit():
         return gencode_flags(archs)
+    if family.sm90_pass and archs[0].number < 90 and any(a.number >= 90 for a in archs):
+        below = [a for a in archs if a.number < 90]
+        high = [a for a in archs if a.number >= 90]
+        codes = []
+        for a in high:
+            if f"sm_{a.number}" not in codes:
+                codes.append(f"sm_{a.number}")
+        flags = family_gencode_flags(dataclasses.replace(family, sm90_pass=False), below)
+        flags.append(f"-gencode=arch=compute_90,code=[{','.join(codes)}]")
+        flags += [f"-gencode=arch=compute_{a.name},code=compute_{a.name}" for a in high if a.ptx]
+        return flags
     low = archs[0].name
     codes = []
     for a in archs:

@@ -177,6 +177,27 @@ def test_one_ptx_family_flags(archs, want):
     assert bc.family_gencode_flags(_family("fwd_sm80"), bc.parse_archs(archs)) == want
 
 
+@pytest.mark.parametrize("archs, want", [
+    # the default build: sm_80 and its PTX from compute_80, sm_90 from compute_90 (the PDL wait)
+    ("80+PTX;90a", ["-gencode=arch=compute_80,code=[sm_80,compute_80]",
+                    "-gencode=arch=compute_90,code=[sm_90]"]),
+    ("80;86;89;90a;100a", ["-gencode=arch=compute_80,code=[sm_80,sm_86,sm_89]",
+                           "-gencode=arch=compute_90,code=[sm_90,sm_100]"]),
+    ("80;90+PTX", ["-gencode=arch=compute_80,code=[sm_80]",
+                   "-gencode=arch=compute_90,code=[sm_90]", "-gencode=arch=compute_90,code=compute_90"]),
+    ("80;86", ["-gencode=arch=compute_80,code=[sm_80,sm_86]"]),  # no sm90 target: one pass
+])
+def test_decode_family_has_an_sm90_pass(archs, want):
+    assert bc.family_gencode_flags(_family("decode"), bc.parse_archs(archs)) == want
+
+
+def test_decode_family_keeps_build_flags_at_sm90_and_up():
+    for archs in ("90a", "90;100a"):
+        parsed = bc.parse_archs(archs)
+        flags = bc.family_gencode_flags(_family("decode"), parsed)
+        assert flags == bc.family_gencode_flags(_family("fwd_sm80"), parsed)
+
+
 def test_one_ptx_keeps_build_flags_when_lowest_target_is_arch_specific():
     archs = bc.parse_archs("90a;100a")  # compute_90a PTX runs on sm_90a only
     assert bc.family_gencode_flags(_family("fwd_sm80"), archs) == bc.gencode_flags(archs)
