@@ -297,6 +297,15 @@ def gencode_flags(archs: Sequence[Arch]) -> list[str]:
     return flags
 
 
+def _sass_codes(archs: Sequence[Arch]) -> list[str]:
+    """sm_NN of each target, once each, in order ("90a" gives plain sm_90: a family's own pass)."""
+    codes = []
+    for a in archs:
+        if f"sm_{a.number}" not in codes:
+            codes.append(f"sm_{a.number}")
+    return codes
+
+
 def family_gencode_flags(family: Family, archs: Sequence[Arch]) -> list[str]:
     """The -gencode flags of ``family``'s files, where they differ from the build's.
 
@@ -319,21 +328,12 @@ def family_gencode_flags(family: Family, archs: Sequence[Arch]) -> list[str]:
     if family.sm90_pass and archs[0].number < 90 and any(a.number >= 90 for a in archs):
         below = [a for a in archs if a.number < 90]
         high = [a for a in archs if a.number >= 90]
-        codes = []
-        for a in high:
-            if f"sm_{a.number}" not in codes:
-                codes.append(f"sm_{a.number}")
         flags = family_gencode_flags(dataclasses.replace(family, sm90_pass=False), below)
-        flags.append(f"-gencode=arch=compute_90,code=[{','.join(codes)}]")
+        flags.append(f"-gencode=arch=compute_90,code=[{','.join(_sass_codes(high))}]")
         flags += [f"-gencode=arch=compute_{a.name},code=compute_{a.name}" for a in high if a.ptx]
         return flags
     low = archs[0].name
-    codes = []
-    for a in archs:
-        sass = f"sm_{a.number}"
-        if sass not in codes:
-            codes.append(sass)
-    codes += [f"compute_{low}"] if archs[0].ptx else []
+    codes = _sass_codes(archs) + ([f"compute_{low}"] if archs[0].ptx else [])
     flags = [f"-gencode=arch=compute_{low},code=[{','.join(codes)}]"]
     flags += [f"-gencode=arch=compute_{a.name},code=compute_{a.name}" for a in archs[1:] if a.ptx]
     return flags

@@ -30,10 +30,10 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 // Whether `kernel`'s code on the current device has its pdl_wait(): only code made from sm90+ PTX
-// does (below it pdl_wait compiles to nothing). A kernel family compiled once from compute_80 PTX
-// for every target (the default build's decode kernels, build_support/build_config.py one_ptx)
-// runs on a Hopper without the wait, and must not be launched with PDL there. Cached per
-// (kernel, device); a failed query counts as no wait.
+// does (below it pdl_wait compiles to nothing). Code from compute_80 PTX on a Hopper or newer GPU
+// (a one_ptx family without build_config.py's sm90_pass, or a GPU JIT-compiling the embedded
+// compute_80 PTX) has no wait and must not be launched with PDL. Cached per (kernel, device); a
+// failed query counts as no wait.
 inline bool kernel_has_pdl_wait(const void* kernel) {
   int device = 0;
   cudaGetDevice(&device);
