@@ -277,7 +277,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   float* merge = reinterpret_cast<float*>(ring);
   float* m_s = merge;                      // [warp][row]
   float* l_s = m_s + kWarps * kBlockM;     // [warp][row]
-  float* o_s = l_s + kWarps * kBlockM;     // [warp][row][col]
+  float* o_s = l_s + kWarps * kBlockM;     // [warp][row][col], rows kOStride floats apart
+  // 8 floats of padding per row: a row is 8 banks past the one above, so the fragments' float2
+  // stores (4 rows x 4 column pairs per half warp) and the merge's float4 reads (a row's 32
+  // contiguous floats per quarter warp) meet no bank conflict (kHeadDim floats apart: 8 rows on
+  // the same 4 banks, 8-way).
+  constexpr int kOStride = kHeadDim + 8;
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rows = make_tensor(cO.data(), acc_as_rows_cols(cO.layout()));
   CUTE_UNROLL
@@ -289,16 +294,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       l_s[warp * kBlockM + row] = sum;
     }
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(o_rows); ++c) o_s[(warp * kBlockM + row) * kHeadDim + get<1>(cO_rows(r, c))] = o_rows(r, c);
+    for (int c = 0; c < size<1>(o_rows); c += 2) {  // columns c and c + 1 are neighbours
+      *reinterpret_cast<float2*>(o_s + (warp * kBlockM + row) * kOStride + get<1>(cO_rows(r, c))) =
+          make_float2(o_rows(r, c), o_rows(r, c + 1));
+    }
   }
   __syncthreads();
 
-  // Each thread: one row, kHeadDim / 8 of its columns (8 threads per row).
+  // Each thread: one row, kCols of its columns in chunks of 4, a chunk every kThreadsPerOutRow x 4
+  // columns (the row's threads read contiguous floats together).
   constexpr int kThreadsPerOutRow = Traits::kNThreads / kBlockM;
   constexpr int kCols = kHeadDim / kThreadsPerOutRow;
-  static_assert(kCols % 8 == 0);
+  constexpr int kChunkStride = kThreadsPerOutRow * 4;
+  static_assert(kCols % 4 == 0);
   const int row = tid / kThreadsPerOutRow;
-  const int col0 = (tid % kThreadsPerOutRow) * kCols;
+  const int col0 = (tid % kThreadsPerOutRow) * 4;
   float m = -INFINITY;
   CUTE_UNROLL
   for (int w = 0; w < kWarps; ++w) m = fmaxf(m, m_s[w * kBlockM + row]);
@@ -312,7 +322,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const float lse = l > 0.f ? (m * scale_log2 + __log2f(l)) * float(M_LN2) : -INFINITY;
   const bool row_ok = row < rows;
   const int64_t lse_row = (int64_t(batch) * p.heads_q + row_head(row)) * p.seqlen_q + row_token(row);
-  // 8 columns at a time: this split's normalized output in fp32 (merged below by the split that
+  // 4 columns at a time: this split's normalized output in fp32 (merged below by the split that
   // finishes last: decode/split_merge.h) or, unsplit, the output itself.
   const bool split_out = p.num_splits > 1;
   const int64_t part_row = split * (int64_t(p.batch) * p.heads_q * p.seqlen_q) + lse_row;
@@ -320,25 +330,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                  int64_t(row_head(row)) * p.o_head_stride;
   if (row_ok) {
     CUTE_UNROLL
-    for (int c = 0; c < kCols; c += 8) {
-      float o[8];
+    for (int c = col0; c < kHeadDim; c += kChunkStride) {
+      float o[4];
       CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) {
-        float acc = 0.f;
-        CUTE_UNROLL
-        for (int w = 0; w < kWarps; ++w) acc += weight[w] * o_s[(w * kBlockM + row) * kHeadDim + col0 + c + i];
-        o[i] = acc * inv;
+      for (int w = 0; w < kWarps; ++w) {
+        const float4 v = *reinterpret_cast<const float4*>(o_s + (w * kBlockM + row) * kOStride + c);
+        if (w == 0) {
+          o[0] = weight[w] * v.x, o[1] = weight[w] * v.y, o[2] = weight[w] * v.z, o[3] = weight[w] * v.w;
+        } else {
+          o[0] += weight[w] * v.x, o[1] += weight[w] * v.y, o[2] += weight[w] * v.z, o[3] += weight[w] * v.w;
+        }
       }
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) o[i] *= inv;
       if (split_out) {
-        float* part = p.o_partial + part_row * kHeadDim + col0 + c;
-        *reinterpret_cast<float4*>(part) = make_float4(o[0], o[1], o[2], o[3]);
-        *reinterpret_cast<float4*>(part + 4) = make_float4(o[4], o[5], o[6], o[7]);
-      } else if (col0 + c < p.head_dim) {
-        uint4 packed;
+        *reinterpret_cast<float4*>(p.o_partial + part_row * kHeadDim + c) = make_float4(o[0], o[1], o[2], o[3]);
+      } else if (c < p.head_dim) {
+        uint2 packed;
         Element* e = reinterpret_cast<Element*>(&packed);
         CUTE_UNROLL
-        for (int i = 0; i < 8; ++i) e[i] = Element(o[i]);
-        *reinterpret_cast<uint4*>(dst + col0 + c) = packed;
+        for (int i = 0; i < 4; ++i) e[i] = Element(o[i]);
+        *reinterpret_cast<uint2*>(dst + c) = packed;
       }
     }
     if (col0 == 0) {

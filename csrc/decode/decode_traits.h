@@ -48,7 +48,7 @@ struct DecodeTraits {
   // O, max, sum per warp).
   static constexpr int kSmemPagesOffsetBytes = (kSmemQElems + kStages * 2 * kSmemKVElems) * int(sizeof(Element));
   static constexpr int kSmemBytes = kSmemPagesOffsetBytes + kPageSlots * kPagesPerBlock * 8;  // page, first row
-  static_assert(kWarps * kBlockM * (kHeadDim + 2) * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)));
+  static_assert(kWarps * kBlockM * (kHeadDim + 8 + 2) * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)));  // the warps' merge
   static_assert(kBlockM * kDecodeMaxSplits * 4 <= kStages * 2 * kSmemKVElems * int(sizeof(Element)),
                 "the split merge's weights fit the ring");
 

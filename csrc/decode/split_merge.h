@@ -18,14 +18,21 @@
 namespace flash_ext::decode {
 
 // After this CTA's partial stores: true in every thread of the CTA that arrived last. Every thread
-// of the CTA must call it (it synchronises the CTA).
+// of the CTA must call it (it synchronises the CTA). One acquire-release atomic of thread 0 does
+// what a fence in every thread, the atomic and the last CTA's second fence did: the barrier
+// orders the CTA's stores before it (release is cumulative), and the barrier after it orders the
+// CTA's later loads after the other splits' counts (acquire), as CUTLASS's semaphores and
+// cooperative groups' grid sync do. A `__threadfence()` is a sequentially consistent fence
+// (MEMBAR.SC.GPU), on the call's critical path twice in the split that arrives last.
 __device__ __forceinline__ bool arrived_last(const DecodeParams& p, int tile) {
   __shared__ int last;
-  __threadfence();  // this thread's partial stores are visible device-wide before the count
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(p.split_arrivals + tile, 1) == p.num_splits - 1;
-  __syncthreads();
-  if (last) __threadfence();  // the other splits' stores are seen after their counts
+  __syncthreads();  // every thread's partial stores happen before thread 0's release
+  if (threadIdx.x == 0) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.split_arrivals + tile) : "memory");
+    last = old == p.num_splits - 1;
+  }
+  __syncthreads();  // the other splits' stores (acquired by thread 0) happen before every thread's loads
   return last;
 }
 
