@@ -3,8 +3,13 @@
 // O goes through shared memory and a TMA store for fixed-length batches: each consumer
 // warpgroup stages its 64 rows in its own shared-memory tile, or at d = 256 (no room for one
 // beside Q and the K/V rings: kernel_traits.h) in its own slab of Q, and its first thread issues
-// the store. Varlen batches keep the register store (a 64-row box would write into the next
-// sequence's rows), as does p.sm90_tma_store_o off. lse is stored from registers.
+// the store. Varlen batches (a 64-row box would write into the next sequence's rows) and
+// p.sm90_tma_store_o off stage O the same way where the tile has its own O tile, and the
+// warpgroup's threads copy it out in 16-byte chunks, a row's chunks from consecutive threads
+// (whole 32-byte sectors); the register store, each thread's value pairs straight to global
+// memory, took ~4,600 cycles per tile against ~1,400 with the TMA store (trace, H200 d 128:
+// docs/perf-notes.md, Session 36). At d = 256 without the TMA store, O goes from registers.
+// lse is stored from registers.
 #pragma once
 #include <cstring>
 #include <cute/tensor.hpp>
@@ -69,6 +74,30 @@ struct FwdEpilogue {
       }
     }
 
+    // Warpgroup (tid / 128)'s 64 staged rows of O (SmemLayoutO at `base`) to global memory: each
+    // 16-byte chunk (8 columns, contiguous under the swizzle, as stage_rows writes them) read from
+    // shared memory and stored if its row exists (rows_q, row 0) and its columns are < head_dim (a
+    // multiple of 8). Consecutive threads take a row's consecutive chunks.
+    __device__ __forceinline__ void copy_rows_out(const FwdParams& p, const FwdTile& w, uint32_t base, int tid) const {
+      using Layout = typename Traits::SmemLayoutO;
+      constexpr auto swizzle = get_swizzle_portion(Layout{});
+      constexpr auto offsets = get_nonswizzle_portion(Layout{});
+      constexpr int kChunks = kHeadDim / 8;  // per row
+      static_assert((64 * kChunks) % 128 == 0, "whole passes of the warpgroup");
+      const int t = tid % 128, row_base = 64 * (tid / 128);
+      Element* o_tile = static_cast<Element*>(p.o) + w.seq.o_offset + w.head * p.o_head_stride +
+                        int64_t(w.row0) * p.o_row_stride;
+      CUTE_UNROLL
+      for (int i = t; i < 64 * kChunks; i += 128) {
+        const int r = i / kChunks, c = 8 * (i % kChunks);
+        const uint4 v = ld_shared_v4(swizzle(base + uint32_t(offsets(r, c)) * uint32_t(sizeof(Element))));
+        const int row = row_base + r;  // within the tile
+        if (row < w.rows_q && row >= -w.row0 && c < p.head_dim) {
+          *reinterpret_cast<uint4*>(o_tile + row * p.o_row_stride + c) = v;
+        }
+      }
+    }
+
     // Normalizes O (acc_o, and o_rows: the same registers by (row, col); the accumulator of
     // mainloop consumer `acc`) by softmax's row sums and stores O (rows < seqlen, cols < head_dim)
     // and lse.
@@ -84,13 +113,14 @@ struct FwdEpilogue {
       const int64_t q_row0 = row0;
       bool o_stored = false;
       // Staged in the slab of Q only where this tile loaded one (a tile without keys loads none,
-      // and its slab may already hold the next tile's Q).
-      if (epi.tma_store_o && (Traits::kHasSmemO || w.n_min < w.n_max)) {
+      // and its slab may already hold the next tile's Q); without the TMA store only in O's own
+      // tile (the slab goes back to the producer before the epilogue).
+      if (epi.tma_store_o ? (Traits::kHasSmemO || w.n_min < w.n_max) : Traits::kHasSmemO) {
         if (epi.o_in_q) {
           // Every warp of the warpgroup is past its last S = Q K^T before the slab is overwritten.
           named_barrier_sync(barrier, 128);
         } else if (store_pending) {  // the previous tile's store must have read sO before it is rewritten
-          if (leader) tma_store_wait<0>();
+          if (leader && epi.tma_store_o) tma_store_wait<0>();
           named_barrier_sync(barrier, 128);
         }
         // Coordinates and shared-memory addresses from an opaque thread index: computed from
@@ -135,29 +165,37 @@ struct FwdEpilogue {
           stage_ptr = ss.q.data() + wg * Traits::kQSlabElems;
           stage_rows(typename Traits::SmemLayoutQ{}, cute::cast_smem_ptr_to_uint(ss.q.data()), 64 * wg);
         }
-        fence_smem_for_async_proxy();
-        named_barrier_sync(barrier, 128);
-        // A box wholly before row 0 (the first tile of a causal call aligned to the end) is not
-        // stored: the TMA unit clips rows past the end but faults on a negative start row.
-        const int o_box = w.m_block * kWGs + wg - w.row_shift / 64;
-        if (leader) {
-          if (o_box >= 0) {
-            // The tensor map has O's real extents: rows >= seqlen_q and columns >= head_dim are
-            // clipped by the TMA unit.
-            const Args& args = epi.args;
-            Tensor sO = make_tensor(make_smem_ptr(stage_ptr), typename Traits::SmemLayoutOStage{});
-            Tensor mO = args.tma_o.get_tma_tensor(args.shape_q)(_, _, w.head, w.batch);
-            Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{}, make_coord(o_box, _0{}));
-            auto [tOgO, tOsO] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-            copy(args.tma_o, tOsO, tOgO);
-            tma_store_arrive();
+        if (!epi.tma_store_o) {
+          if constexpr (Traits::kHasSmemO) {
+            named_barrier_sync(barrier, 128);
+            copy_rows_out(p, w, cute::cast_smem_ptr_to_uint(stage_ptr), tid);
           }
-          if (epi.o_in_q) {  // the slab goes back to the producer once the store has read it
-            tma_store_wait<0>();
-            Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
+          store_pending = true;  // the next tile's staging waits for every thread's reads
+        } else {
+          fence_smem_for_async_proxy();
+          named_barrier_sync(barrier, 128);
+          // A box wholly before row 0 (the first tile of a causal call aligned to the end) is not
+          // stored: the TMA unit clips rows past the end but faults on a negative start row.
+          const int o_box = w.m_block * kWGs + wg - w.row_shift / 64;
+          if (leader) {
+            if (o_box >= 0) {
+              // The tensor map has O's real extents: rows >= seqlen_q and columns >= head_dim are
+              // clipped by the TMA unit.
+              const Args& args = epi.args;
+              Tensor sO = make_tensor(make_smem_ptr(stage_ptr), typename Traits::SmemLayoutOStage{});
+              Tensor mO = args.tma_o.get_tma_tensor(args.shape_q)(_, _, w.head, w.batch);
+              Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{}, make_coord(o_box, _0{}));
+              auto [tOgO, tOsO] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+              copy(args.tma_o, tOsO, tOgO);
+              tma_store_arrive();
+            }
+            if (epi.o_in_q) {  // the slab goes back to the producer once the store has read it
+              tma_store_wait<0>();
+              Barrier::arrive(&ss.barrier_q_empty[consumer_wg]);
+            }
           }
+          store_pending = !epi.o_in_q;
         }
-        store_pending = !epi.o_in_q;
         o_stored = true;
       }
       if (!o_stored) {

@@ -74,6 +74,15 @@ __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t smem_addr) {
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr) : "memory");
   return v;
 }
+// 16 bytes from shared memory (an O row's 8-value chunk, fwd_epilogue.h).
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t smem_addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_addr)
+               : "memory");
+  return v;
+}
 // Four 8 x 8 matrices of 16-bit values to shared memory: lane l gives the address of row l % 8
 // of matrix l / 8 (16 contiguous bytes), and register m holds this lane's pair of matrix m
 // (row l / 4, columns 2 (l % 4) and + 1): the layout of a wgmma accumulator's 8-column blocks.
