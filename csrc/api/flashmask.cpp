@@ -175,6 +175,7 @@ FlashMaskSummary make_flashmask_summary(const at::Tensor& bounds, const std::opt
     launch_flashmask_fwd_tiles(t, stream);
     out.view.fwd_range = t.range;
     out.view.fwd_order = t.order;
+    out.view.fwd_count = t.counts;
     out.view.fwd_m_blocks = t.m_blocks;
     out.fwd_range = buf.narrow(0, nb_ints + kbs_ints + counter_ints, 2 * tiles).view({hm, batch, fwd_m_blocks, 2});
     out.fwd_order = buf.narrow(0, nb_ints + kbs_ints + counter_ints + 2 * tiles, tiles).view({hm, batch, fwd_m_blocks});

@@ -61,6 +61,9 @@ struct FlashMaskView {
   // (mask head, batch row), of the forward tile's rows.
   const int* fwd_order;
   const int2* fwd_range;
+  // Each query block's count of kept key blocks (the range kernel's; equal to the range's length
+  // where the range has no skipped block: the forward then walks it as n - 1).
+  const int* fwd_count;
   int fwd_m_blocks;
 };
 

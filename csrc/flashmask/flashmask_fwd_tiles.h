@@ -29,7 +29,8 @@ struct FlashMaskFwdTilesArgs {
   bool causal;          // the causal rule (bottom-right aligned) bounds each range from above
   int block_m, block_n;
   int m_blocks;         // ceil(seqlen_q / block_m)
-  // Output, (heads, batch, m_blocks) each; counts: the walks' lengths (scratch for the order).
+  // Output, (heads, batch, m_blocks) each; counts: the walks' lengths (the order sorts by them; the
+  // forward compares them with the range's length: FlashMaskView::fwd_count).
   int2* range;
   int* order;
   int* counts;

@@ -46,6 +46,7 @@ struct FwdTile {
   int row0;
   int row_shift;     // rows before row 0 in a tile (p.sm90_row_shift: the same for every tile)
   int n_min, n_max;  // the key blocks to run: the mask's visible ones, or the piece's
+  int dense_walk;    // masks that skip blocks: 1 where [n_min, n_max) skips none (walk n - 1)
   int rows_q;        // rows [max(0, -row0), rows_q) of the tile exist
 };
 

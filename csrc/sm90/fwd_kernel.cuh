@@ -73,7 +73,13 @@ __global__ void __launch_bounds__(Mainloop::Traits::kThreads, 1)
     w.row0 = w.m_block * Traits::kBlockM - row_shift;
     w.row_shift = row_shift;
     if (w.row0 >= w.seq.seqlen_q) return false;
-    typename Mask::ForWarps(p, w.seq, w.head, w.batch).key_block_range_rows(w.row0, w.n_min, w.n_max);
+    const typename Mask::ForWarps range_mask(p, w.seq, w.head, w.batch);
+    range_mask.key_block_range_rows(w.row0, w.n_min, w.n_max);
+    if constexpr (!Mask::kVisitsEveryBlock) {
+      // Every lane loads the same count: the redux makes that visible (a uniform register, so the
+      // loop's control stays uniform where it walks n - 1).
+      w.dense_walk = __reduce_max_sync(0xffffffffu, int(range_mask.range_dense(w.row0, w.n_min, w.n_max)));
+    }
     return true;
   };
   const int work_end = scheduler.work_end();

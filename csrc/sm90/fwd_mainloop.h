@@ -373,11 +373,13 @@ struct FwdMainloop {
         // nothing masked beyond causal: ~9% of the loop's stall samples). Its K and V come next
         // from the pipeline whatever their index, and n_min is always visited, so only the mask
         // needs the index, after S. Every-block masks keep n - 1 in the header.
+        // A range that skips no block (w.dense_walk: the tile table's count fills it) walks n - 1
+        // with no walk at all.
         constexpr bool kWalkAhead = !Mask::kVisitsEveryBlock;
         int n_next = 0;
         auto advance = [&](int n) __attribute__((always_inline)) {
           if constexpr (kWalkAhead) {
-            return n_next;
+            return w.dense_walk ? n - 1 : n_next;
           } else {
             return mask.next_block(row0, n, n_min);
           }
@@ -390,7 +392,9 @@ struct FwdMainloop {
           warpgroup_gemm_issue<true, false>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
           warpgroup_gemm_issue<false, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
           turn_end();
-          if constexpr (kWalkAhead) n_next = mask.next_block(row0, n_block, n_min);
+          if constexpr (kWalkAhead) {
+            if (!w.dense_walk) n_next = mask.next_block(row0, n_block, n_min);
+          }
           warpgroup_wait<1>();  // S of this block is ready; P V of the previous one is in flight
           warpgroup_fence_operand(acc_s);
           pipeline_k.consumer_release(read_k);

@@ -59,6 +59,7 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
   // Its query blocks' ranges in the tile table (flashmask/flashmask_fwd_tiles.h), or nullptr
   // (varlen, or no table): then the range is found by scanning the summaries.
   const int2* ranges = nullptr;
+  const int* counts = nullptr;  // the table's counts of kept blocks, beside `ranges`
   mutable int cached_n = -1, cached_class = kFmFull;  // kCacheClass: the class last computed
 
   __device__ __forceinline__ FlashMaskPolicy(const FwdParams& p, const SeqInfo& seq, int head, int batch)
@@ -66,7 +67,10 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     const int64_t g = head / p.fm.group;
     nb = p.fm.nb + g * p.fm.nb_head_stride + fm_col0(p.fm, p.cu_seqlens_k, batch);
     kbs = p.fm.kbs + 2 * (g * p.fm.kbs_head_stride + fm_blk0(p.fm, p.cu_seqlens_k, batch));
-    if (p.fm.fwd_range != nullptr) ranges = p.fm.fwd_range + (g * p.batch + batch) * p.fm.fwd_m_blocks;
+    if (p.fm.fwd_range != nullptr) {
+      ranges = p.fm.fwd_range + (g * p.batch + batch) * p.fm.fwd_m_blocks;
+      counts = p.fm.fwd_count + (g * p.batch + batch) * p.fm.fwd_m_blocks;
+    }
   }
 
   // The summaries of blocks [n_min, n_max) into L1 (each warp's lanes a block each; the producer's
@@ -87,6 +91,13 @@ struct FlashMaskPolicy : BlockMask<kBlockM, kBlockN, true> {
     n_max = r.y;
     prefetch_summaries(n_min, n_max);
     return true;
+  }
+
+  // Whether the query block at row0's range [n_min, n_max) keeps every block (the tile table's
+  // count fills it): its walk is then n - 1 and needs no class (next_block's bits and redux: ~30
+  // instructions per block on the consumers' path). False without a table (varlen).
+  __device__ __forceinline__ bool range_dense(int row0, int n_min, int n_max) const {
+    return counts != nullptr && __ldg(counts + row0 / kBlockM) == n_max - n_min;
   }
 
   // Class of key block n for the tile's rows, by the intervals alone.
