@@ -277,10 +277,6 @@ struct FlashMaskPolicyWarps : FlashMaskPolicy<kBlockM, kBlockN, false> {
     win_base = __ballot_sync(0xffffffffu, n >= 0 && Policy::Base::needs_mask_rows(row0, n));
   }
   __device__ __forceinline__ bool in_window(int n) const { return unsigned(n - win_lo) < 32u; }
-  __device__ __forceinline__ bool partial(int row0, int n) const {
-    if (!in_window(n)) load_window(row0, n);
-    return (win_part >> (n - win_lo)) & 1u;
-  }
 
   __device__ __forceinline__ void key_block_range_rows(int row0, int& n_min, int& n_max) const {
     this->key_block_range_rows_warps(row0, n_min, n_max);
