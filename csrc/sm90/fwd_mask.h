@@ -348,11 +348,12 @@ struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
     constexpr int kCols = decltype(size<1>(scores))::value;
     constexpr int kTurn = 4;  // columns per turn
     static_assert(kCols <= 32 && kCols % kTurn == 0, "one 32-bit word of column bits per row");
-    Policy::Base::apply_rows(scores, coords, row0, n);
+    // The usual rule's pass only where it masks something (a window edge, the diagonal, the
+    // seqlen_k edge): a partial block elsewhere skips its ~150 instructions.
+    if (Policy::Base::needs_mask_rows(row0, n)) Policy::Base::apply_rows(scores, coords, row0, n);
     if (this->block_class(row0, n) != kFmPartial) return;
     if (n > 0) this->prefetch_columns(n - 1);  // a partial block's neighbour is often partial
     const int4* slot = this->stage_columns(n);
-    const int col0 = n * kBlockN;
     uint32_t bits[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) bits[r] = 0u;
@@ -360,9 +361,9 @@ struct FlashMaskPolicyLowRegs : FlashMaskPolicy<kBlockM, kBlockN, false> {
     for (int c0 = 0; c0 < kCols; c0 += kTurn) {
       CUTE_UNROLL
       for (int i = 0; i < kTurn; ++i) {
-        const int col = get<1>(coords(0, c0 + i));  // within the block
-        if (col0 + col >= this->seqlen_k) continue;  // masked by the usual rule (staged as zeros)
-        const int4 bounds = slot[col];
+        // Columns at or past seqlen_k are staged as zeros, which fm_masked never masks (the usual
+        // rule has masked them): no branch per column.
+        const int4 bounds = slot[get<1>(coords(0, c0 + i))];  // the column within the block
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           bits[r] |= uint32_t(fm_masked(bounds, row0 + get<0>(coords(r, 0)))) << (c0 + i);
