@@ -537,8 +537,8 @@ def test_sm90_stream_k_cuda_graph(fwd_path, tuning):
 
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(64, 16))], ids=str)
 def test_sm90_switches_varlen(kw, fwd_path, tuning):
-    """Varlen takes the register epilogue (a TMA box would write into the next sequence's rows),
-    under each ping-pong mode."""
+    """Varlen stages O in shared memory and copies it out in 16-byte chunks (a TMA box would
+    write into the next sequence's rows), under each switch combination."""
     _sm90_or_skip(fwd_path)
     lens_q = [0, 17, 300, 1000, 257, 1, 640]
     lens_k = [5, 17, 280, 1000, 300, 1, 640]
@@ -555,6 +555,43 @@ def test_sm90_switches_varlen(kw, fwd_path, tuning):
                                    max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **kw),
         lambda out, lse, label: assert_close_to_ref(out, lse, ref, ref_lse, pt, None,
                                                     f"varlen {label}"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_varlen_o_stays_inside_out(dtype, d, causal, fwd_path, tuning):
+    """Varlen O copied out of shared memory in 16-byte chunks (every head dim's layout, d = 80 in
+    the 96 kernel, d = 256 from registers), into out= a view of a NaN-filled buffer with extra
+    columns and heads: every element of out written, nothing outside it; rows of a sequence's
+    last tile past its end must not land in the next sequence."""
+    _sm90_or_skip(fwd_path)
+    lens_q = [0, 17, 300, 1000, 65, 1, 128]
+    lens_k = [5, 17, 280, 1000, 300, 1, 128]
+    hq, hkv = 6, 2
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=dtype)
+    cq, ck = cu_of(lens_q), cu_of(lens_k)
+    ref, ref_lse = attention_ref_varlen(q, k, v, cq, ck, causal=causal)
+    pt, _ = attention_ref_varlen(q, k, v, cq, ck, causal=causal, upcast=False)
+    buf = torch.empty((sum(lens_q), hq + 1, d + 8), device="cuda", dtype=dtype)
+    dst = buf[:, :hq, :d]
+
+    def run():
+        buf.fill_(float("nan"))
+        out, lse = flash_ext.attn_fwd(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(lens_q),
+                                      max_seqlen_k=max(lens_k), causal=causal, out=dst)
+        assert out.data_ptr() == dst.data_ptr()
+        return out, lse
+
+    def check(out, lse, label):
+        assert not dst.isnan().any(), f"{label}: some output element was not written"
+        assert buf[:, hq:].isnan().all(), f"{label}: wrote into the next head's slot"
+        assert buf[..., d:].isnan().all(), f"{label}: wrote outside out's columns"
+        assert_close_to_ref(dst, lse, ref, ref_lse, pt, None, f"varlen out= d={d} {label}")
+
+    _each_sm90_switch(tuning, run, check)
 
 
 @pytest.mark.parametrize("d,causal", [(80, True), (64, False), (192, True)])
